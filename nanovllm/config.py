@@ -1,0 +1,149 @@
+"""Engine options: what the user passed, validated, plus the checkpoint's config.
+
+Facts discovered at start-up (the KV pool size, EOS ids) are not stored here; they live on the
+objects that discover them (ModelRunner, LLMEngine).
+"""
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
+
+
+@dataclass
+class Config:
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    hf_config: object = field(init=False, repr=False)
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "Config":
+        """Build a Config, rejecting unknown option names with a clear TypeError."""
+        known = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "model"]
+        for name in options:
+            if name not in known:
+                raise TypeError(f"unknown option {name!r}; valid options are: {', '.join(known)}")
+        return cls(model, **options)
+
+    def __post_init__(self):
+        self._check_types()
+        self.hf_config = load_hf_config(self.model)
+        self._check_ranges()
+        self._resolve_auto()
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+    def _check_types(self):
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path to a checkpoint directory, got {type(self.model).__name__}")
+        self.model = os.path.expanduser(os.fspath(self.model))
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+                     "kvcache_block_size", "num_kvcache_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(
+                self.gpu_memory_utilization, bool):
+            raise TypeError(f"gpu_memory_utilization must be a float, got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {allowed}")
+
+    def _check_ranges(self):
+        hf = self.hf_config
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        bs = self.kvcache_block_size
+        if bs < 1 or bs & (bs - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two, got {bs}")
+        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
+            raise ValueError(f"num_kvcache_blocks must be -1 (auto) or a positive int, got {self.num_kvcache_blocks}")
+        tp = self.tensor_parallel_size
+        if not 1 <= tp <= 8:
+            raise ValueError(f"tensor_parallel_size must be in 1..8, got {tp}")
+        for what, count in (("num_attention_heads", hf.num_attention_heads),
+                            ("num_key_value_heads", hf.num_key_value_heads), ("vocab_size", hf.vocab_size)):
+            if count % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide {what}={count}")
+
+    def _resolve_auto(self):
+        import torch  # deferred: keeps `import nanovllm.config` light
+
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' but no CUDA GPU is visible")
+            if self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
+                                 f"{torch.cuda.device_count()} visible GPU(s)")
+        if self.dtype == "auto":
+            checkpoint_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            if self.device == "cpu":
+                self.dtype = "float32"
+            else:
+                self.dtype = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else "bfloat16"
+                if self.dtype == "float32":
+                    self.dtype = "bfloat16"
+        if self.attention_backend == "auto":
+            self.attention_backend = "torch" if self.device == "cpu" else _cuda_default_backend()
+        if self.attention_backend == "flash_attn":
+            if self.device != "cuda":
+                raise ValueError("attention_backend='flash_attn' needs device='cuda'")
+            if self.kvcache_block_size % 256:
+                raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple "
+                                 f"of 256, got {self.kvcache_block_size}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+def _cuda_default_backend() -> str:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "triton"
+    return "flash_attn"
+
+
+def load_hf_config(model: str):
+    """Read config.json of a checkpoint directory, with clear errors for what is missing."""
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path!r} not found: a checkpoint directory needs a config.json")
+    with open(path) as f:
+        architectures = json.load(f).get("architectures") or []
+    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
+        raise ValueError(f"unsupported architecture {architectures} in {path!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model)

@@ -1,0 +1,144 @@
+"""The paged KV-cache pool: block allocation, reference counts and prefix reuse.
+
+A full block is identified by a chained hash: xxhash64 over (previous block's hash, its token ids),
+so equal hashes mean equal prefixes. A block enters the hash table only once its KV has been
+computed (`register_computed_blocks`), never at allocation.
+"""
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+NO_HASH = -1
+
+
+def block_hash(token_ids: list[int], prev_hash: int = NO_HASH) -> int:
+    h = xxhash.xxh64()
+    if prev_hash != NO_HASH:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = NO_HASH
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        # Free blocks in the order they will be handed out; freed blocks go to the back, so a
+        # recently freed block (whose hash may be revived) is reused last.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of `seq`, leaving its last block to compute.
+
+        At least one token is always computed, so a prompt whose length is an exact multiple of the
+        block size reuses at most `num_blocks - 1` leading blocks.
+        """
+        hits = []
+        prev = NO_HASH
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.block_tokens(i)
+            prev = block_hash(tokens, prev)
+            block_id = self.hash_to_block_id.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:  # miss, or hash collision
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
+        # Hits on free blocks (ref count 0) are revived out of the free list, so they cost a free block.
+        hits_in_use = sum(1 for b in cached if self.blocks[b].ref_count > 0)
+        return seq.num_blocks - hits_in_use <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, cached: list[int]):
+        """Give `seq` blocks for all its tokens, reusing the `cached` prefix blocks."""
+        assert not seq.block_table
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        seq.block_table = list(cached)
+        seq.num_cached_tokens = len(cached) * self.block_size
+        for _ in range(seq.num_blocks - len(cached)):
+            seq.block_table.append(self._take_free_block())
+
+    def deallocate(self, seq: Sequence):
+        """Release `seq`'s blocks, last block first. Freed blocks keep their hash and tokens."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the decode step of `seq` has a slot for its last token."""
+        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+
+    def may_append(self, seq: Sequence):
+        # The token appended last step starts a new block exactly when num_tokens % block_size == 1.
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block())
+
+    def register_computed_blocks(self, seq: Sequence, num_cached_before: int):
+        """Hash the blocks of `seq` that became full and computed since `num_cached_before` tokens."""
+        first = num_cached_before // self.block_size
+        last = seq.num_cached_tokens // self.block_size
+        for i in range(first, last):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash != NO_HASH:  # reused from the cache: already registered
+                continue
+            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else NO_HASH
+            block.token_ids = seq.block_tokens(i)
+            block.hash = block_hash(block.token_ids, prev)
+            self.hash_to_block_id[block.hash] = block.block_id
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        # The block's old content is about to be overwritten: it no longer answers its hash.
+        if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = NO_HASH
+        block.token_ids = []
+        block.ref_count = 1
+        return block_id
+
+    def check_integrity(self, live_seqs: list[Sequence]):
+        """Raise AssertionError if the pool's bookkeeping is inconsistent with `live_seqs` (for tests)."""
+        holders = [0] * self.num_blocks
+        for seq in live_seqs:
+            for block_id in seq.block_table:
+                holders[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == holders[block.block_id], (block.block_id, block.ref_count)
+            assert (block.ref_count == 0) == (block.block_id in self.free_block_ids), block.block_id
+        for h, block_id in self.hash_to_block_id.items():
+            block = self.blocks[block_id]
+            assert block.hash == h and len(block.token_ids) == self.block_size, block_id

@@ -1,0 +1,199 @@
+"""LLMEngine: tokenizes and validates requests, drives Scheduler and ModelRunner step by step."""
+
+import atexit
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner, free_port, run_worker
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.shm_channel import ShmChannel
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class StepResult:
+    finished: list[Sequence]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, model: str, **options):
+        self._exited = True  # until start-up completes, exit() has nothing of ours to release
+        self.config = config = Config.from_options(model, **options)
+        self.processes = []
+        self.channel = None
+        self.model_runner = None
+        atexit.register(self.exit)
+        self._exited = False
+        try:
+            port = free_port()
+            if config.tensor_parallel_size > 1:
+                ctx = mp.get_context("spawn")
+                self.channel = ShmChannel(ctx, config.tensor_parallel_size - 1)
+                for rank in range(1, config.tensor_parallel_size):
+                    process = ctx.Process(target=run_worker, args=(config, rank, port, self.channel.worker_end(rank)),
+                                          daemon=True)
+                    process.start()
+                    self.processes.append(process)
+                self.channel.processes = self.processes
+            self.model_runner = ModelRunner(config, 0, port, self.channel)
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+            self.eos_token_ids = eos_token_ids(self.tokenizer, config)
+            self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+                                       self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
+                                       self.eos_token_ids)
+        except BaseException:
+            self.exit()
+            raise
+
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.model_runner.num_kvcache_blocks
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def exit(self):
+        """Stop the workers and release the GPU / shared memory. Safe to call more than once."""
+        if self._exited:
+            return
+        self._exited = True
+        atexit.unregister(self.exit)
+        try:
+            if self.model_runner is not None:
+                self.model_runner.call("exit")
+        finally:
+            for process in self.processes:
+                process.join(timeout=10)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+            if self.channel is not None:
+                self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.exit()
+
+    def _check_alive(self):
+        if self._exited:
+            raise RuntimeError("this LLM has exited; create a new one")
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def make_sequences(self, prompts, sampling_params) -> list[Sequence]:
+        """Validate a whole batch and turn it into sequences; raises before anything is queued."""
+        self._check_alive()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a list of str, or a list of token-id lists, got "
+                            f"{type(prompts).__name__}")
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        kinds = {type(p) for p in prompts}
+        if not (kinds <= {str} or kinds <= {list, tuple}):
+            raise TypeError(f"prompts must be all str or all token-id lists, got a mix of "
+                            f"{sorted(k.__name__ for k in kinds)}")
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        vocab_size = self.config.hf_config.vocab_size
+        for i, (tokens, sp) in enumerate(zip(token_lists, sampling_params)):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] is a {type(sp).__name__}, not SamplingParams")
+            if not tokens:
+                raise ValueError(f"prompt {i} is empty")
+            bad = next((t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size),
+                       None)
+            if bad is not None:
+                raise ValueError(f"prompt {i} has token id {bad!r} outside the vocabulary [0, {vocab_size})")
+            try:
+                self.scheduler.check_fits(len(tokens), sp.max_tokens)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return [Sequence(tokens, sp, self.config.kvcache_block_size) for tokens, sp in zip(token_lists, sampling_params)]
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its sequence id."""
+        (seq,) = self.make_sequences([prompt], [sampling_params])
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def step(self) -> StepResult:
+        self._check_alive()
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            raise RuntimeError("the scheduler could not schedule any request (internal error)")
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        try:
+            token_ids = self.model_runner.call("run", seqs, is_prefill)
+        except BaseException:
+            self.exit()  # a failed step leaves the ranks out of step: release everything
+            raise
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        return StepResult(finished, num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
+
+    def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
+        """Run a batch to completion; outputs in input order."""
+        seqs = self.make_sequences(prompts, sampling_params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        wanted = {seq.seq_id for seq in seqs}
+        outputs: dict[int, dict] = {}
+        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_rate = decode_rate = 0.0
+        while not wanted.issubset(outputs):
+            start = time.perf_counter()
+            result = self.step()
+            elapsed = time.perf_counter() - start
+            if result.num_prefill_tokens:
+                prefill_rate = result.num_prefill_tokens / elapsed
+            else:
+                decode_rate = result.num_decode_tokens / elapsed
+            pbar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s", refresh=False)
+            for seq in result.finished:
+                outputs[seq.seq_id] = self.output_of(seq)
+                if seq.seq_id in wanted:
+                    pbar.update(1)
+        pbar.close()
+        return [outputs[seq.seq_id] for seq in seqs]
+
+    def output_of(self, seq: Sequence) -> dict:
+        tokens = seq.completion_token_ids
+        return {"text": self.tokenizer.decode(tokens), "token_ids": tokens, "finish_reason": seq.finish_reason}
+
+
+def eos_token_ids(tokenizer, config: Config) -> set[int]:
+    """EOS ids from the tokenizer, config.json and generation_config.json, whichever define them."""
+    ids = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(tokenizer.eos_token_id)
+    add(getattr(config.hf_config, "eos_token_id", None))
+    path = os.path.join(config.model, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            add(json.load(f).get("eos_token_id"))
+    return ids

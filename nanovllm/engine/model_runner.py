@@ -1,0 +1,245 @@
+"""One ModelRunner per tensor-parallel rank: owns the model shard, the KV pool and the step inputs.
+
+Rank 0 lives in the engine's process and samples; ranks 1.. are spawned workers that loop on calls
+received over shared memory (`ShmChannel`). Every rank runs every call, so collectives line up.
+"""
+
+import socket
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.shm_channel import ShmChannel, WorkerEnd
+from nanovllm.layers.attention import AttentionMetadata
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.utils.loader import load_model
+
+CPU_KV_CACHE_BYTES = 2 << 30  # KV pool budget on CPU when num_kvcache_blocks is not given
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def default_dtype_and_device(dtype: torch.dtype, device: torch.device):
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+
+
+def run_worker(config: Config, rank: int, port: int, channel: WorkerEnd):
+    """Entry point of a spawned worker rank: serve calls until `exit`."""
+    runner = ModelRunner(config, rank, port)
+    try:
+        while True:
+            method, args = channel.receive()
+            getattr(runner, method)(*args)
+            if method == "exit":
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        channel.close()
+
+
+class ModelRunner:
+    def __init__(self, config: Config, rank: int, port: int, channel: ShmChannel | None = None):
+        self.config = config
+        self.rank = rank
+        self.world_size = config.tensor_parallel_size
+        self.channel = channel
+        self.block_size = config.kvcache_block_size
+        hf = config.hf_config
+        is_cuda = config.device == "cuda"
+        if is_cuda:
+            torch.cuda.set_device(rank)
+        self.device = torch.device("cuda", rank) if is_cuda else torch.device("cpu")
+        dist.init_process_group("nccl" if is_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                world_size=self.world_size, rank=rank, device_id=self.device if is_cuda else None)
+        self.dtype = config.torch_dtype
+        with default_dtype_and_device(self.dtype, self.device):
+            self.model = Qwen3ForCausalLM(hf, config.attention_backend)
+        load_model(self.model, config.model)
+        self.sampler = Sampler()
+        self.num_kv_heads = hf.num_key_value_heads // self.world_size
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graphs = None
+        if is_cuda and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return (self.config.max_model_len + self.block_size - 1) // self.block_size
+
+    def call(self, method: str, *args):
+        """Run `method` on every rank (rank 0 only: also sends it to the workers). Returns rank 0's result."""
+        if self.channel is not None:
+            self.channel.send(method, *args)
+        return getattr(self, method)(*args)
+
+    def exit(self):
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.destroy_process_group()
+
+    # ---- KV cache ------------------------------------------------------------------------------
+
+    def _allocate_kv_cache(self) -> int:
+        """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views."""
+        hf = self.config.hf_config
+        block_bytes = (2 * hf.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim
+                       * self.dtype.itemsize)
+        if self.config.num_kvcache_blocks > 0:
+            num_blocks = self.config.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_free_memory() // block_bytes
+        else:
+            num_blocks = CPU_KV_CACHE_BYTES // block_bytes
+        # Every rank must agree on the pool size: take the smallest.
+        agreed = torch.tensor([num_blocks], device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        num_blocks = int(agreed.item())
+        if num_blocks <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache (one block of {self.block_size} tokens needs "
+                f"{block_bytes / 2**20:.1f} MiB) at gpu_memory_utilization={self.config.gpu_memory_utilization}; "
+                f"raise it or lower max_num_batched_tokens / max_num_seqs")
+        self.kv_cache = torch.empty(2, hf.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        for i, layer in enumerate(attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    def _profile_free_memory(self) -> int:
+        """Run the largest prefill (and the largest sampling batch) to measure peak activation memory;
+        return the bytes left for the KV cache under gpu_memory_utilization."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = self.config.max_num_batched_tokens
+        lens = [min(self.config.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.config.max_model_len)]
+        seqs = [_dummy_sequence(n, self.block_size) for n in lens]
+        input_ids, positions, meta, _ = self.prepare_prefill(seqs)
+        hidden = self.model(input_ids, positions, meta)
+        rows = hidden[-1:].expand(self.config.max_num_seqs, -1)
+        logits = self.model.compute_logits(rows)
+        if self.rank == 0:
+            self.sampler(logits, torch.ones(len(rows), device=self.device))
+        del hidden, rows, logits
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        used_outside_peak = total - free - current  # other processes, CUDA context, allocator cache
+        return int(total * self.config.gpu_memory_utilization - used_outside_peak - peak)
+
+    # ---- step inputs ---------------------------------------------------------------------------
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        return tables
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        """Flattened chunk tokens of all sequences, their positions and cache slots, and the varlen
+        metadata. Returns (input_ids, positions, meta, sample_rows) where sample_rows index the last
+        token of every sequence whose prefill completes in this step."""
+        input_ids, positions, slots = [], [], []
+        cu_q, cu_k, sample_rows = [0], [0], []
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            input_ids.append(np.asarray(seq.scheduled_token_ids(), dtype=np.int64))
+            positions.append(pos)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            cu_q.append(cu_q[-1] + end - start)
+            cu_k.append(cu_k[-1] + end)
+            if seq.completes_prefill:
+                sample_rows.append(cu_q[-1] - 1)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._to_device(np.concatenate(slots)),
+            context_lens=self._to_device(np.diff(np.asarray(cu_k, dtype=np.int32))),
+            block_tables=self._to_device(self._block_tables(seqs)),
+            cu_seqlens_q=self._to_device(np.asarray(cu_q, dtype=np.int32)),
+            cu_seqlens_k=self._to_device(np.asarray(cu_k, dtype=np.int32)),
+            max_seqlen_q=int(np.diff(cu_q).max()),
+            max_seqlen_k=int(np.diff(cu_k).max()),
+            prefix_cached=any(seq.num_cached_tokens > 0 for seq in seqs),
+        )
+        return (self._to_device(np.concatenate(input_ids)), self._to_device(np.concatenate(positions)), meta,
+                self._to_device(np.asarray(sample_rows, dtype=np.int64)))
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        """One token per sequence: its last token at position len - 1."""
+        input_ids = np.array([seq.scheduled_token_ids()[0] for seq in seqs], dtype=np.int64)
+        positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
+        last_blocks = np.array([seq.block_table[-1] for seq in seqs], dtype=np.int64)
+        slots = last_blocks * self.block_size + positions % self.block_size
+        meta = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self._to_device(slots),
+            context_lens=self._to_device((positions + 1).astype(np.int32)),
+            block_tables=self._to_device(self._block_tables(seqs)),
+        )
+        return self._to_device(input_ids), self._to_device(positions), meta
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        """Compute one step; on rank 0 return a sampled token per sequence that completes its prefill
+        (every sequence in decode)."""
+        if is_prefill:
+            input_ids, positions, meta, sample_rows = self.prepare_prefill(seqs)
+            hidden = self.model(input_ids, positions, meta)[sample_rows]
+            sampling_seqs = [seq for seq in seqs if seq.completes_prefill]
+        else:
+            input_ids, positions, meta = self.prepare_decode(seqs)
+            if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
+                hidden = self.graphs.replay(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, meta)
+            sampling_seqs = seqs
+        logits = self.model.compute_logits(hidden)
+        if self.rank != 0 or not sampling_seqs:
+            return None if self.rank != 0 else []
+        temperatures = self._to_device(np.array([seq.temperature for seq in sampling_seqs], dtype=np.float32))
+        return self.sampler(logits, temperatures).tolist()
+
+
+def _dummy_sequence(num_tokens: int, block_size: int) -> Sequence:
+    """A sequence shaped like a real prefill (for memory profiling); its slots all point at block 0."""
+    from nanovllm.sampling_params import SamplingParams
+
+    seq = Sequence([0] * num_tokens, SamplingParams(), block_size)
+    seq.block_table = [0] * seq.num_blocks
+    seq.num_scheduled_tokens = num_tokens
+    return seq
+

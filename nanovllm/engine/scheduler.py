@@ -1,0 +1,129 @@
+"""Decides which sequences run in each step: all prefill, or all decode. Plain Python over ints."""
+
+from collections import deque
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 num_blocks: int, block_size: int, eos_token_ids: set[int]):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_blocks, block_size)
+        # A partially prefilled sequence stays at the head of `waiting` until its last chunk is scheduled.
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int):
+        """Raise ValueError if a request of this size could never be scheduled."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt length {num_prompt_tokens} + max_tokens {max_tokens} = {total} exceeds "
+                             f"max_model_len={self.max_model_len}")
+        bm = self.block_manager
+        # The last sampled token is never fed back, so its KV never needs a slot.
+        blocks = (total - 1 + bm.block_size - 1) // bm.block_size
+        if blocks > bm.num_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks of {bm.block_size} tokens (prompt "
+                             f"{num_prompt_tokens} + max_tokens {max_tokens}) but the pool has only {bm.num_blocks}")
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Pick this step's sequences and set their `num_scheduled_tokens`. Returns (seqs, is_prefill)."""
+        seqs = self._schedule_prefill()
+        if seqs:
+            return seqs, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                cached = bm.cached_prefix(seq)
+                uncached = seq.num_tokens - len(cached) * bm.block_size
+                if scheduled and uncached > budget:
+                    break  # only the first sequence of a batch may be chunked
+                if not bm.can_allocate(seq, cached):
+                    break
+                bm.allocate(seq, cached)
+            chunk = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            seq.num_scheduled_tokens = chunk
+            budget -= chunk
+            scheduled.append(seq)
+            if not seq.completes_prefill:
+                break  # chunked: it stays at the head of waiting for the next step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        bm = self.block_manager
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not bm.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                bm.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def _preempt(self, seq: Sequence):
+        """Recompute preemption: free the blocks, re-prefill (prompt + generated tokens) later."""
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        # Behind a partially prefilled head, which holds blocks and must finish first.
+        if self.waiting and self.waiting[0].block_table:
+            self.waiting.insert(1, seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Record a step's results: mark KV computed, append sampled tokens, finish sequences.
+
+        `token_ids` holds one token per sequence whose prefill was complete (every sequence in decode).
+        Returns the sequences that finished in this step.
+        """
+        finished = []
+        tokens = iter(token_ids)
+        for seq in seqs:
+            sampled = seq.completes_prefill
+            before = seq.num_cached_tokens
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.register_computed_blocks(seq, before)
+            if not sampled:
+                continue
+            token_id = next(tokens)
+            seq.append_token(token_id)
+            if not seq.ignore_eos and token_id in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_completion_tokens >= seq.max_tokens:
+                seq.finish_reason = "length"
+            else:
+                continue
+            seq.status = SequenceStatus.FINISHED
+            self.block_manager.deallocate(seq)
+            self.running.remove(seq)
+            finished.append(seq)
+        assert next(tokens, None) is None, "more sampled tokens than sequences that completed prefill"
+        return finished

@@ -1,0 +1,86 @@
+"""A request's tokens and its place in the KV cache."""
+
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = copy(token_ids)
+        self.num_tokens = len(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.block_size = block_size
+        self.num_cached_tokens = 0  # tokens whose KV is in the cache and valid
+        self.num_scheduled_tokens = 0  # tokens this step computes, from num_cached_tokens on
+        self.block_table: list[int] = []
+        self.temperature = sampling_params.temperature
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+        self.finish_reason: str | None = None
+        # Index into token_ids of token num_cached_tokens; nonzero only on worker ranks, which
+        # receive just the tokens of the scheduled chunk.
+        self._first_token_index = 0
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold every token so far."""
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def completes_prefill(self) -> bool:
+        """True when the scheduled chunk reaches the last token, so this step yields a new token."""
+        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def scheduled_token_ids(self) -> list[int]:
+        start = self.num_cached_tokens - self._first_token_index
+        return self.token_ids[start:start + self.num_scheduled_tokens]
+
+    def append_token(self, token_id: int):
+        self.token_ids.append(token_id)
+        self.num_tokens += 1
+
+    # Worker ranks need only the tokens this step computes: one during decode, the chunk during
+    # (re-)prefill. Everything else they need is counts and the block table.
+    def __getstate__(self):
+        return (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.block_size, self.num_cached_tokens,
+                self.num_scheduled_tokens, self.block_table, self.scheduled_token_ids())
+
+    def __setstate__(self, state):
+        (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.block_size, self.num_cached_tokens,
+         self.num_scheduled_tokens, self.block_table, self.token_ids) = state
+        self._first_token_index = self.num_cached_tokens

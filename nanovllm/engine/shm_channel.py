@@ -1,0 +1,117 @@
+"""Control plane for tensor parallelism: rank 0 broadcasts each call to the worker ranks.
+
+One shared-memory segment holds the pickled `(method, args)` of the current call behind an 8-byte
+length header; a per-worker `call` event wakes each worker and a per-worker `ack` event says it has
+read the call, so the segment may be rewritten. When a call does not fit, rank 0 moves everyone to a
+larger segment first. The segment name is unique per engine; the owner unlinks it on close.
+"""
+
+import os
+import pickle
+import uuid
+from multiprocessing import shared_memory
+
+HEADER_BYTES = 8
+_REATTACH = "__reattach__"
+
+
+class WorkerDiedError(RuntimeError):
+    pass
+
+
+class ShmChannel:
+    def __init__(self, ctx, num_workers: int, size: int = 1 << 20):
+        self.base_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.generation = 0
+        self.shm = shared_memory.SharedMemory(name=self._name(), create=True, size=size)
+        self.call_events = [ctx.Event() for _ in range(num_workers)]
+        self.ack_events = [ctx.Event() for _ in range(num_workers)]
+        self.processes = []  # set by the engine once spawned, for liveness checks
+        self.pending_ack = False
+
+    def _name(self) -> str:
+        return f"{self.base_name}-{self.generation}"
+
+    def worker_end(self, rank: int) -> "WorkerEnd":
+        return WorkerEnd(self._name(), self.call_events[rank - 1], self.ack_events[rank - 1])
+
+    def send(self, method: str, *args):
+        """Publish a call to all workers (waits until they have read the previous one)."""
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        self.wait_acks()
+        if HEADER_BYTES + len(payload) > self.shm.size:
+            self._grow(HEADER_BYTES + len(payload))
+        self._publish(payload)
+
+    def _publish(self, payload: bytes):
+        self.shm.buf[:HEADER_BYTES] = len(payload).to_bytes(HEADER_BYTES, "little")
+        self.shm.buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
+        for event in self.call_events:
+            event.set()
+        self.pending_ack = True
+
+    def _grow(self, needed: int):
+        old = self.shm
+        self.generation += 1
+        self.shm = shared_memory.SharedMemory(name=self._name(), create=True, size=max(needed, 2 * old.size))
+        payload = pickle.dumps((_REATTACH, (self._name(),)))
+        old.buf[:HEADER_BYTES] = len(payload).to_bytes(HEADER_BYTES, "little")
+        old.buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
+        for event in self.call_events:
+            event.set()
+        self.pending_ack = True
+        self.wait_acks()
+        old.close()
+        old.unlink()
+
+    def wait_acks(self, poll_seconds: float = 0.2):
+        """Wait until every worker has read the last call; raise if one of them has died."""
+        if not self.pending_ack:
+            return
+        for rank, event in enumerate(self.ack_events, start=1):
+            while not event.wait(poll_seconds):
+                self.check_workers_alive()
+            event.clear()
+        self.pending_ack = False
+
+    def check_workers_alive(self):
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {process.exitcode})")
+
+    def close(self):
+        self.shm.close()
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class WorkerEnd:
+    """A worker's side of the channel (picklable: it travels to the spawned process)."""
+
+    def __init__(self, name: str, call_event, ack_event):
+        self.name = name
+        self.call_event = call_event
+        self.ack_event = ack_event
+        self.shm = None
+
+    def receive(self) -> tuple[str, tuple]:
+        """Block until the next call; returns (method, args)."""
+        while True:
+            if self.shm is None:
+                self.shm = shared_memory.SharedMemory(name=self.name)
+            self.call_event.wait()
+            self.call_event.clear()
+            size = int.from_bytes(self.shm.buf[:HEADER_BYTES], "little")
+            method, args = pickle.loads(self.shm.buf[HEADER_BYTES:HEADER_BYTES + size])
+            if method != _REATTACH:
+                self.ack_event.set()
+                return method, args
+            self.shm.close()
+            self.shm, self.name = None, args[0]
+            self.ack_event.set()
+
+    def close(self):
+        if self.shm is not None:
+            self.shm.close()

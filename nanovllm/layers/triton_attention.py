@@ -1,0 +1,264 @@
+"""Triton paged attention: decode (split-K, GQA-grouped) and varlen causal prefill.
+
+Paged KV cache: k_cache, v_cache are [num_blocks, block_size, num_kv_heads, head_dim] (head_dim
+contiguous). Token t of sequence b lives in block block_tables[b, t // block_size], slot
+t % block_size. The softmax runs in the log2 domain (exp2, with scale * log2(e) folded into the
+logits) and accumulates in float32.
+
+fp8 KV cache (not implemented): K/V tiles are loaded only in `_load_kv`; a per-tensor k/v scale can
+be applied there, or folded into the logit scale (k) and the output (v).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free for rows that
+# have seen no key yet (padding rows, empty splits).
+NEG_INF = -1.0e30
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, block_table_ptr, start, limit, kv_head, stride_kb, stride_kt, stride_kh,
+             D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V tiles [BLOCK_N, D] of tokens start..start+BLOCK_N of one kv head; tokens >= limit read 0."""
+    tok = start + tl.arange(0, BLOCK_N)
+    mask = tok < limit
+    if BLOCK_N <= PAGE:  # start is BLOCK_N-aligned, so the tile lies in one page: one block id
+        blk = tl.load(block_table_ptr + start // PAGE).to(tl.int64)
+    else:
+        blk = tl.load(block_table_ptr + tok // PAGE, mask=mask, other=0).to(tl.int64)
+    rows = blk * stride_kb + (tok % PAGE) * stride_kt + kv_head * stride_kh  # [BLOCK_N] int64
+    offs = rows[:, None] + tl.arange(0, D)[None, :]
+    k = tl.load(k_ptr + offs, mask=mask[:, None], other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2, DOT_PRECISION: tl.constexpr):
+    """One online-softmax update of (m_i [M], l_i [M], acc [M, D]) with a key/value tile.
+
+    q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None.
+    """
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N]
+    if mask is not None:
+        qk = tl.where(mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
+    sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid (B, KVH, NUM_SPLITS): the G query heads of one kv head over one split of the context."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    heads = kv_head * G + g  # [G_PAD]
+    head_mask = (g < G)[:, None]
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=head_mask, other=0.0)  # [G_PAD, D]
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([G_PAD], NEG_INF, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for s in range(start, end, BLOCK_N):
+        k, v = _load_kv(k_ptr, v_ptr, block_table, s, end, kv_head, stride_kb, stride_kt, stride_kh,
+                        D, PAGE, BLOCK_N)
+        kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, kv_mask, sm_scale_log2, DOT_PRECISION)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 -> zeros
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_mask)
+    else:  # partials: m, l [B, H, NUM_SPLITS], acc [B, H, NUM_SPLITS, D], float32, contiguous
+        row = (seq * tl.num_programs(1) * G + heads) * NUM_SPLITS + split  # [G_PAD]
+        tl.store(m_ptr + row, m_i, mask=g < G)
+        tl.store(l_ptr + row, l_i, mask=g < G)
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
+                          D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Grid (B, H): merge the NUM_SPLITS partial softmaxes of one (sequence, head)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s  # [NUM_SPLITS]
+    m = tl.load(m_ptr + row)
+    w = tl.exp2(m - tl.max(m, 0))  # [NUM_SPLITS]
+    denom = tl.sum(w * tl.load(l_ptr + row), 0)
+    acc = tl.load(acc_ptr + row[:, None] * D + tl.arange(0, D)[None, :])  # [NUM_SPLITS, D]
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
+    sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query tiles, H, B): BLOCK_M queries of one head of one sequence, causal."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    n_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= n_q:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    kv_head = head // G
+
+    i = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
+    pos = ctx - n_q + i  # absolute position = last key it may attend to
+    d = tl.arange(0, D)
+    tok_offs = (q_start + i).to(tl.int64)[:, None]
+    q = tl.load(q_ptr + tok_offs * stride_qt + head * stride_qh + d[None, :],
+                mask=(i < n_q)[:, None], other=0.0)  # [BLOCK_M, D]
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # Keys < full_end are visible to every row of the tile; [full_end, kv_end) needs the causal mask.
+    first = ctx - n_q + tile * BLOCK_M
+    full_end = (first + 1) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(first + BLOCK_M, ctx)
+    for s in range(0, full_end, BLOCK_N):
+        k, v = _load_kv(k_ptr, v_ptr, block_table, s, ctx, kv_head, stride_kb, stride_kt, stride_kh,
+                        D, PAGE, BLOCK_N)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, None, sm_scale_log2, DOT_PRECISION)
+    for s in range(full_end, kv_end, BLOCK_N):
+        k, v = _load_kv(k_ptr, v_ptr, block_table, s, ctx, kv_head, stride_kb, stride_kt, stride_kh,
+                        D, PAGE, BLOCK_N)
+        key = s + tl.arange(0, BLOCK_N)
+        causal = (key[None, :] <= pos[:, None]) & (key < ctx)[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, causal, sm_scale_log2, DOT_PRECISION)
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tok_offs * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(i < n_q)[:, None])
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: pretend to be an H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_args(q, k_cache, v_cache, block_tables, out) -> str:
+    """Validate layouts; return the tl.dot input precision for q's dtype."""
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and block_tables.stride(-1) == 1
+    assert q.shape[-2] % k_cache.shape[2] == 0 and q.shape[-1] == k_cache.shape[3]
+    block_size = k_cache.shape[1]
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1)
+    # float32 inputs: exact fp32 dots (tests); 16-bit inputs ignore the setting
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Power-of-two split count: up to ~4 programs per SM, keeping >= 128 keys per split."""
+    splits, target = 1, 4 * _num_sms(device)
+    while batch * num_kv_heads * splits * 2 <= target and splits * 256 <= max_context and splits < 64:
+        splits *= 2
+    return splits
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *,
+                           out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None):
+    """Single-token attention of each sequence over its paged KV cache.
+
+    q: [B, H, D], the query at position context_lens[b] - 1 (its K/V already in the cache).
+    k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: int32 [B, max_blocks];
+    context_lens: int32 [B] (0 = padding row: output zeros, no KV read). Returns [B, H, D] in q.dtype.
+    out: optional [B, H, D] destination. num_splits (a power of two), block_n, num_warps and
+    num_stages override the launch heuristics.
+    """
+    B, H, D = q.shape
+    _, page, kvh, _ = k_cache.shape
+    precision = _check_args(q, k_cache, v_cache, block_tables, out)
+    out = torch.empty_like(q) if out is None else out
+    if B == 0:
+        return out
+    G = H // kvh
+    block_n = block_n or min(64, max(16, 8192 // D))
+    if num_splits is None:
+        num_splits = _decode_num_splits(B, kvh, block_tables.shape[1] * page, q.device)
+    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    if num_splits > 1:
+        m = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
+    else:
+        m = l = acc = out  # unused
+    _decode_kernel[(B, kvh, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        num_warps=num_warps or 4, num_stages=num_stages or 3,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(B, H)](acc, m, l, out, out.stride(0), out.stride(1),
+                                      D=D, NUM_SPLITS=num_splits, num_warps=4)
+    return out
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
+                            scale, *, out=None, block_m=None, block_n=None, num_warps=None,
+                            num_stages=None):
+    """Causal attention of a varlen batch of query chunks over their paged KV cache.
+
+    q: [T, H, D]; sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (int32 [B+1]) and sit at
+    the last n_q_b positions of its context_lens[b] (int32 [B]) keys, all already in the cache; query i
+    attends to keys at positions <= context_lens[b] - n_q_b + i. Covers plain, chunked and prefix-cached
+    prefill. k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: int32 [B, max_blocks].
+    max_seqlen_q: max n_q_b (a host int). out: optional [T, H, D] destination. block_m, block_n,
+    num_warps and num_stages override the defaults. Returns [T, H, D] in q.dtype.
+    """
+    T, H, D = q.shape
+    _, page, kvh, _ = k_cache.shape
+    precision = _check_args(q, k_cache, v_cache, block_tables, out)
+    out = torch.empty_like(q) if out is None else out
+    B = context_lens.shape[0]
+    if T == 0 or B == 0:
+        return out
+    block_m = block_m or min(128, max(16, triton.next_power_of_2(max_seqlen_q)))
+    block_n = block_n or 64
+    grid = (triton.cdiv(max_seqlen_q, block_m), H, B)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
+        num_warps=num_warps or (8 if block_m * D >= 128 * 128 else 4), num_stages=num_stages or 3,
+    )
+    return out

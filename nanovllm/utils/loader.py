@@ -1,0 +1,69 @@
+"""Strict safetensors loading: every parameter loaded exactly once, anything else is an error."""
+
+import glob
+import os
+
+from safetensors import safe_open
+from torch import nn
+
+
+def load_model(model: nn.Module, path: str):
+    """Load all `*.safetensors` in `path` into `model` through each parameter's `weight_loader`.
+
+    Checkpoint names of packed projections (q/k/v_proj, gate/up_proj) are routed to the merged
+    parameter with their shard id via `model.packed_modules_mapping`. With tied embeddings, an
+    `lm_head.weight` in the checkpoint is ignored (the head shares the embedding tensor).
+    """
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    packed = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    params = dict(model.named_parameters(remove_duplicate=True))
+    expected = _expected_keys(params, packed)
+    loaded = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for ckpt_name in f.keys():
+                if tied and ckpt_name == "lm_head.weight":
+                    continue
+                name, shard = _route(ckpt_name, packed)
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {ckpt_name!r} in {file!r}: the model has no such parameter")
+                if (name, shard) in loaded:
+                    raise ValueError(f"tensor {ckpt_name!r} appears more than once in {path!r}")
+                param = params[name]
+                args = (param, f.get_tensor(ckpt_name)) if shard is None else (param, f.get_tensor(ckpt_name), shard)
+                try:
+                    param.weight_loader(*args) if hasattr(param, "weight_loader") else _default_loader(*args)
+                except ValueError as e:
+                    raise ValueError(f"cannot load {ckpt_name!r} from {file!r}: {e}") from None
+                loaded.add((name, shard))
+    missing = sorted(f"{n}" + (f" (shard {s!r})" if s is not None else "") for n, s in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is missing tensors for: {', '.join(missing)}")
+
+
+def _expected_keys(params: dict, packed: dict) -> set[tuple[str, object]]:
+    """(parameter name, shard id) pairs that must each be loaded once; shard is None if unpacked."""
+    shards_of: dict[str, list] = {}
+    for dst, shard in packed.values():
+        shards_of.setdefault(dst, []).append(shard)
+    expected = set()
+    for name in params:
+        module = name.split(".")[-2] if "." in name else ""
+        expected.update((name, shard) for shard in shards_of.get(module, [None]))
+    return expected
+
+
+def _route(ckpt_name: str, packed: dict) -> tuple[str, object]:
+    for src, (dst, shard) in packed.items():
+        if f".{src}." in ckpt_name:
+            return ckpt_name.replace(f".{src}.", f".{dst}."), shard
+    return ckpt_name, None
+
+
+def _default_loader(param: nn.Parameter, loaded):
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
+    param.data.copy_(loaded)

@@ -1,0 +1,187 @@
+"""Triton paged attention vs a float64 torch reference.
+
+On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before the kernels
+module is imported; it has no effect if another test module imported it first without it). With
+CUDA they run compiled on the GPU, plus bf16 tests at Qwen3-0.6B shapes.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+from nanovllm.layers import triton_attention as ta  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GARBAGE_BLOCK = 1 << 30  # block-table entries past a sequence's length: reading one would fault
+
+
+def make_cache(context_lens, block_size, kvh, d, dtype=torch.float32, spare_blocks=3, seed=0):
+    """Paged K/V cache holding random K/V for each sequence's context_lens[b] tokens.
+
+    Blocks are assigned in a shuffled order; every slot that holds no token is NaN, so a read of a
+    wrong slot poisons the output. Returns k_cache, v_cache, block_tables (int32), context_lens (int32).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pages = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(pages) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(max(pages), 1) + 1
+    tables = torch.full((len(context_lens), width), GARBAGE_BLOCK, dtype=torch.int32)
+    shape = (num_blocks, block_size, kvh, d)
+    k_cache = torch.full(shape, float("nan"), dtype=torch.float32)
+    v_cache = torch.full(shape, float("nan"), dtype=torch.float32)
+    used = 0
+    for b, n in enumerate(context_lens):
+        blocks = perm[used:used + pages[b]]
+        used += pages[b]
+        tables[b, :pages[b]] = blocks.to(torch.int32)
+        tok = torch.arange(n)
+        k_cache[blocks[tok // block_size], tok % block_size] = torch.randn(n, kvh, d, generator=gen)
+        v_cache[blocks[tok // block_size], tok % block_size] = torch.randn(n, kvh, d, generator=gen)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return (k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE), lens.to(DEVICE))
+
+
+def reference(q, k_cache, v_cache, table, ctx, scale):
+    """Attention of q [n_q, H, D] (the last n_q positions of ctx keys) in float64: [n_q, H, D]."""
+    n_q, h, _ = q.shape
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    tok = torch.arange(ctx, device=q.device)
+    blocks = table[tok // block_size].long()
+    k = k_cache[blocks, tok % block_size].double().repeat_interleave(h // kvh, dim=1)  # [ctx, H, D]
+    v = v_cache[blocks, tok % block_size].double().repeat_interleave(h // kvh, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    pos = ctx - n_q + torch.arange(n_q, device=q.device)
+    s = s.masked_fill(tok[None, None, :] > pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+
+
+def run_decode(context_lens, block_size, h, kvh, d, dtype=torch.float32, **kwargs):
+    k_cache, v_cache, tables, lens = make_cache(context_lens, block_size, kvh, d, dtype)
+    q = torch.randn(len(context_lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    out = torch.full_like(q, float("nan"))
+    scale = d ** -0.5
+    ta.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, **kwargs)
+    refs = [reference(q[b:b + 1], k_cache, v_cache, tables[b], n, scale)[0] if n > 0 else None
+            for b, n in enumerate(context_lens)]
+    return q, (k_cache, v_cache, tables, lens, scale), out, refs
+
+
+def check_decode(context_lens, block_size, h, kvh, d, atol=1e-4, **kwargs):
+    _, _, out, refs = run_decode(context_lens, block_size, h, kvh, d, **kwargs)
+    assert torch.isfinite(out).all()
+    for b, ref in enumerate(refs):
+        if ref is not None:
+            torch.testing.assert_close(out[b].double(), ref, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize(
+    "block_size,h,kvh,d,context_lens",
+    [
+        (16, 4, 4, 32, [1, 15, 16, 17, 33]),  # MHA, around block boundaries
+        (32, 4, 2, 32, [31, 32, 33, 64, 5]),  # GQA 2
+        (256, 8, 2, 16, [255, 256, 257, 1]),  # GQA 4, big pages
+        (16, 16, 8, 16, [40, 7]),  # Qwen3-0.6B head layout
+    ],
+)
+def test_decode(block_size, h, kvh, d, context_lens):
+    check_decode(context_lens, block_size, h, kvh, d, num_splits=1)
+
+
+@pytest.mark.parametrize("num_splits", [None, 4, 16])
+def test_decode_split_k(num_splits):
+    # long contexts with short ones and padding rows: some splits are empty
+    check_decode([700, 3, 0, 129, 0], 16, 4, 2, 32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("block_size,block_n", [(256, 16), (16, 64), (64, 128)])
+def test_decode_tile_vs_page(block_size, block_n):
+    # several tiles per page, and tiles spanning several pages
+    check_decode([block_size * 2 + 1, 100, 1], block_size, 4, 2, 32, block_n=block_n, num_splits=2)
+
+
+def test_decode_padding_rows_only():
+    for num_splits in (1, 2):
+        _, _, out, _ = run_decode([0, 0], 16, 4, 2, 16, num_splits=num_splits)
+        assert (out == 0).all()
+
+
+def test_decode_num_splits_heuristic():
+    dev = torch.device("cpu")
+    assert ta._decode_num_splits(256, 8, 1024, dev) == 1
+    assert ta._decode_num_splits(1, 8, 64, dev) == 1
+    assert ta._decode_num_splits(1, 8, 4096, dev) == 32  # >= 128 keys per split
+    assert ta._decode_num_splits(8, 8, 4096, dev) == 8  # 512 programs on 132 SMs
+    assert ta._decode_num_splits(64, 8, 4096, dev) == 1
+
+
+def run_prefill(context_lens, q_lens, block_size, h, kvh, d, dtype=torch.float32, **kwargs):
+    k_cache, v_cache, tables, lens = make_cache(context_lens, block_size, kvh, d, dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(q_lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    out = torch.full_like(q, float("nan"))
+    scale = d ** -0.5
+    ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, max(q_lens), scale, out=out, **kwargs)
+    ref = torch.cat([reference(q[cu[b]:cu[b + 1]], k_cache, v_cache, tables[b], n, scale)
+                     for b, n in enumerate(context_lens)])
+    return q, (k_cache, v_cache, tables, cu, lens, scale), out, ref
+
+
+@pytest.mark.parametrize(
+    "block_size,h,kvh,d,context_lens,q_lens",
+    [
+        (16, 4, 2, 32, [1, 17, 40, 16], [1, 17, 40, 16]),  # plain prefill, varlen
+        (32, 4, 4, 32, [50, 300, 33], [10, 44, 1]),  # cached prefix + chunk (1 = decode-like)
+        (256, 8, 2, 16, [257, 100, 255], [200, 100, 0]),  # GQA 4, big pages, an empty chunk
+        (16, 16, 8, 16, [70, 24], [30, 24]),  # Qwen3-0.6B head layout
+    ],
+)
+def test_prefill(block_size, h, kvh, d, context_lens, q_lens):
+    _, _, out, ref = run_prefill(context_lens, q_lens, block_size, h, kvh, d)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 64), (64, 32)])
+def test_prefill_tiles(block_m, block_n):
+    # many query tiles: fully visible, diagonal and skipped KV tiles, tiles spanning pages
+    _, _, out, ref = run_prefill([150, 61], [90, 61], 32, 4, 2, 16, block_m=block_m, block_n=block_n)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+QWEN3 = dict(h=16, kvh=8, d=128, block_size=256)
+
+
+@needs_cuda
+def test_decode_bf16_qwen3():
+    lens = [1, 255, 256, 257, 4000, 0, 1024]
+    q, (k_cache, v_cache, tables, ctx, scale), out, refs = run_decode(lens, dtype=torch.bfloat16, **QWEN3)
+    assert torch.isfinite(out).all()
+    for b, ref in enumerate(refs):
+        if ref is not None:
+            torch.testing.assert_close(out[b].double(), ref, atol=2e-2, rtol=2e-2)
+    flash_attn = pytest.importorskip("flash_attn")
+    fa = flash_attn.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx,
+                                            block_table=tables, softmax_scale=scale, causal=True)
+    live = ctx > 0
+    torch.testing.assert_close(out[live], fa.squeeze(1)[live], atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+def test_prefill_bf16_qwen3():
+    lens, q_lens = [1000, 2048, 300], [1000, 512, 1]
+    q, (k_cache, v_cache, tables, cu, ctx, scale), out, ref = run_prefill(
+        lens, q_lens, dtype=torch.bfloat16, **QWEN3)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    flash_attn = pytest.importorskip("flash_attn")
+    cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    fa = flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cu, cu_k, max(q_lens), max(lens),
+                                           softmax_scale=scale, causal=True, block_table=tables)
+    torch.testing.assert_close(out, fa, atol=2e-2, rtol=2e-2)
