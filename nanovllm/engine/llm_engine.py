@@ -6,6 +6,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
@@ -14,7 +15,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, free_port, run_worker
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.shm_channel import ShmChannel
+from nanovllm.engine.shm_channel import ShmChannel, WorkerDiedError
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -70,7 +71,11 @@ class LLMEngine:
         try:
             if self.model_runner is not None:
                 self.model_runner.call("exit")
+        except WorkerDiedError:
+            pass  # the survivors are stopped below
         finally:
+            if dist.is_initialized():  # start-up failed midway, or a worker died
+                dist.destroy_process_group()
             for process in self.processes:
                 process.join(timeout=10)
                 if process.is_alive():

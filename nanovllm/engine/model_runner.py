@@ -5,7 +5,9 @@ received over shared memory (`ShmChannel`). Every rank runs every call, so colle
 """
 
 import socket
+import time
 from contextlib import contextmanager
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -67,8 +69,7 @@ class ModelRunner:
         if is_cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if is_cuda else torch.device("cpu")
-        dist.init_process_group("nccl" if is_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                world_size=self.world_size, rank=rank, device_id=self.device if is_cuda else None)
+        self._init_process_group(port)
         self.dtype = config.torch_dtype
         with default_dtype_and_device(self.dtype, self.device):
             self.model = Qwen3ForCausalLM(hf, config.attention_backend)
@@ -80,6 +81,21 @@ class ModelRunner:
         self.graphs = None
         if is_cuda and not config.enforce_eager:
             self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq)
+
+    def _init_process_group(self, port: int):
+        """Rendezvous over a TCP store on this engine's own port. Rank 0 waits for the workers to
+        check in while watching them, so a worker that dies during start-up is an error, not a hang."""
+        store = dist.TCPStore("127.0.0.1", port, self.world_size, is_master=self.rank == 0,
+                              wait_for_workers=False, timeout=timedelta(minutes=10))
+        if self.rank == 0:
+            while store.add("workers_ready", 0) < self.world_size - 1:
+                self.channel.check_workers_alive()
+                time.sleep(0.05)
+        else:
+            store.add("workers_ready", 1)
+        is_cuda = self.device.type == "cuda"
+        dist.init_process_group("nccl" if is_cuda else "gloo", store=store, world_size=self.world_size,
+                                rank=self.rank, device_id=self.device if is_cuda else None)
 
     @property
     def max_blocks_per_seq(self) -> int:

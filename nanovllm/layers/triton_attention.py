@@ -17,8 +17,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free for rows that
-# have seen no key yet (padding rows, empty splits).
-NEG_INF = -1.0e30
+# have seen no key yet (padding rows, empty splits). A constexpr: kernels may read no other globals.
+NEG_INF = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -42,16 +42,16 @@ def _load_kv(k_ptr, v_ptr, block_table_ptr, start, limit, kv_head, stride_kb, st
 def _softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2, DOT_PRECISION: tl.constexpr):
     """One online-softmax update of (m_i [M], l_i [M], acc [M, D]) with a key/value tile.
 
-    q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None.
+    q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None. m_i is in scaled log2 units.
     """
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
     if mask is not None:
         qk = tl.where(mask, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * sm_scale_log2)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * sm_scale_log2 - m_new[:, None])  # one FMA per logit
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -212,14 +212,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if num_splits is None:
         num_splits = _decode_num_splits(B, kvh, block_tables.shape[1] * page, q.device)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-    if num_splits > 1:
-        m = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
-        l = torch.empty_like(m)
-        acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
+    if num_splits > 1:  # per-split running max, sum and unnormalized output
+        part_max = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
     else:
-        m = l = acc = out  # unused
+        part_max = part_sum = part_acc = out  # unused
     _decode_kernel[(B, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, acc, m, l,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
@@ -227,7 +227,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(B, H)](acc, m, l, out, out.stride(0), out.stride(1),
+        _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
                                       D=D, NUM_SPLITS=num_splits, num_warps=4)
     return out
 
@@ -252,13 +252,13 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     if T == 0 or B == 0:
         return out
     block_m = block_m or min(128, max(16, triton.next_power_of_2(max_seqlen_q)))
-    block_n = block_n or 64
+    block_n = block_n or (128 if D <= 128 else 64)
     grid = (triton.cdiv(max_seqlen_q, block_m), H, B)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
-        num_warps=num_warps or (8 if block_m * D >= 128 * 128 else 4), num_stages=num_stages or 3,
+        num_warps=num_warps or (8 if block_m * D >= 128 * 128 else 4), num_stages=num_stages or 2,
     )
     return out

@@ -1,0 +1,263 @@
+"""Benchmark the Triton paged-attention kernels on a CUDA GPU (written for an H200), against
+flash-attn when it is importable.
+
+    python scripts/bench_attention.py            # decode grid + prefill shapes (~1-2 min)
+    python scripts/bench_attention.py --sweep    # also sweep decode/prefill launch configs
+
+Qwen3-0.6B attention heads (H=16, KVH=8, D=128), bf16, 256-token pages, randomly permuted blocks.
+Times are medians of triton.testing.do_bench over CUDA-graph replays (GPU time without host launch
+overhead; do_bench flushes L2 between runs). Decode bandwidth counts
+the K/V bytes of all context tokens plus q and out. The table is printed and, if $OUT is set, written
+to $OUT/bench_attention.txt.
+"""
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+# Load the kernels module by path: it needs only torch + triton, the rest of the package may not import.
+_path = pathlib.Path(__file__).resolve().parents[1] / "nanovllm" / "layers" / "triton_attention.py"
+_spec = importlib.util.spec_from_file_location("triton_attention", _path)
+ta = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ta)
+
+try:
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+except ImportError:
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
+
+H, KVH, D, PAGE = 16, 8, 128, 256
+DTYPE = torch.bfloat16
+SCALE = D ** -0.5
+DEV = "cuda"
+BATCHES = (1, 8, 32, 64, 128, 256)
+CONTEXTS = (128, 512, 1024, 2048, 4096)
+# (name, number of sequences, cached prefix tokens, new query tokens per sequence)
+PREFILL_SHAPES = (
+    ("8x1024", 8, 0, 1024),
+    ("1x4096", 1, 0, 4096),
+    ("4x512+1536", 4, 1536, 512),
+    ("16x128+896", 16, 896, 128),
+)
+
+LINES = []
+
+
+def emit(line=""):
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def bench(fn, quick=False):
+    """Median milliseconds of fn replayed from a CUDA graph (no host launch overhead, as in the engine's
+    decode graphs), L2 flushed before each replay by do_bench. Falls back to timing fn itself."""
+    warmup, rep = (5, 25) if quick else (25, 100)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:
+        emit(f"(CUDA graph capture failed, timing eagerly: {type(e).__name__}: {e})"[:200])
+        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth():
+    """Device-to-device copy, bytes read + written per second (eager: a graph-captured copy is slower)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+
+
+class Cache:
+    """One paged K/V cache large enough for the biggest shape; each shape takes random blocks of it."""
+
+    def __init__(self, max_tokens):
+        self.num_blocks = triton.cdiv(max_tokens, PAGE) + 16
+        shape = (self.num_blocks, PAGE, KVH, D)
+        self.k = torch.randn(shape, dtype=DTYPE, device=DEV)
+        self.v = torch.randn(shape, dtype=DTYPE, device=DEV)
+
+    def tables(self, batch, ctx):
+        pages = triton.cdiv(ctx, PAGE)
+        perm = torch.randperm(self.num_blocks, device=DEV)[: batch * pages]
+        return perm.view(batch, pages).to(torch.int32)
+
+
+def reference(q, cache, table, ctx):
+    """float32 attention of q [n_q, H, D] at the last n_q of ctx positions of one sequence."""
+    n_q = q.shape[0]
+    tok = torch.arange(ctx, device=DEV)
+    blocks = table[tok // PAGE].long()
+    k = cache.k[blocks, tok % PAGE].float().repeat_interleave(H // KVH, 1)
+    v = cache.v[blocks, tok % PAGE].float().repeat_interleave(H // KVH, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * SCALE
+    pos = ctx - n_q + torch.arange(n_q, device=DEV)
+    s.masked_fill_(tok[None, None, :] > pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+
+
+def decode_inputs(cache, batch, ctx):
+    q = torch.randn(batch, H, D, dtype=DTYPE, device=DEV)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    return q, cache.tables(batch, ctx), lens
+
+
+def decode_bytes(batch, ctx):
+    return (2 * batch * ctx * KVH * D + 2 * batch * H * D) * DTYPE.itemsize
+
+
+def decode_row(cache, batch, ctx, copy_bw):
+    q, tables, lens = decode_inputs(cache, batch, ctx)
+    fn = lambda: ta.paged_decode_attention(q, cache.k, cache.v, tables, lens, SCALE)
+    out = fn()
+    err_ref = max((out[b].float() - reference(q[b:b + 1], cache, tables[b], ctx)[0]).abs().max().item()
+                  for b in sorted({0, batch // 2, batch - 1}))
+    t = bench(fn)
+    bw = decode_bytes(batch, ctx) / (t * 1e-3)
+    splits = ta._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
+    fa_cols, err_fa = f"{'-':>8} {'-':>7} {'-':>6}", "-"
+    if flash_attn_with_kvcache is not None:
+        fa = lambda: flash_attn_with_kvcache(q.unsqueeze(1), cache.k, cache.v, cache_seqlens=lens,
+                                             block_table=tables, softmax_scale=SCALE, causal=True)
+        err_fa = f"{(out - fa().squeeze(1)).abs().max().item():8.1e}"
+        t_fa = bench(fa)
+        fa_cols = f"{t_fa * 1e3:8.1f} {decode_bytes(batch, ctx) / (t_fa * 1e-3) / 1e12:7.2f} {t / t_fa:6.2f}"
+    emit(f"{batch:>4} {ctx:>5} {splits:>6} {t * 1e3:9.1f} {bw / 1e12:5.2f} {100 * bw / copy_bw:5.1f} "
+         f"{fa_cols} {err_ref:8.1e} {err_fa:>8}")
+
+
+def run_decode(cache, copy_bw):
+    emit(f"== decode: H={H} KVH={KVH} D={D} bf16 page={PAGE}; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    emit(f"{'B':>4} {'ctx':>5} {'splits':>6} {'triton_us':>9} {'TB/s':>5} {'%copy':>5} "
+         f"{'fa_us':>8} {'fa_TB/s':>7} {'tri/fa':>6} {'err_ref':>8} {'err_fa':>8}")
+    for batch in BATCHES:
+        for ctx in CONTEXTS:
+            decode_row(cache, batch, ctx, copy_bw)
+
+
+def prefill_inputs(cache, n_seq, prefix, n_q):
+    ctx = prefix + n_q
+    q = torch.randn(n_seq * n_q, H, D, dtype=DTYPE, device=DEV)
+    cu_q = torch.arange(0, n_seq + 1, dtype=torch.int32, device=DEV) * n_q
+    cu_k = torch.arange(0, n_seq + 1, dtype=torch.int32, device=DEV) * ctx
+    lens = torch.full((n_seq,), ctx, dtype=torch.int32, device=DEV)
+    return q, cache.tables(n_seq, ctx), cu_q, cu_k, lens
+
+
+def prefill_flops(n_seq, prefix, n_q):
+    pairs = n_q * prefix + n_q * (n_q + 1) // 2  # visible (query, key) pairs per sequence
+    return 4 * n_seq * H * D * pairs
+
+
+def prefill_row(cache, name, n_seq, prefix, n_q, config):
+    q, tables, cu_q, cu_k, lens = prefill_inputs(cache, n_seq, prefix, n_q)
+    fn = lambda: ta.paged_prefill_attention(q, cache.k, cache.v, tables, cu_q, lens, n_q, SCALE, **config)
+    out = fn()
+    err_ref = max((out[b * n_q:(b + 1) * n_q].float()
+                   - reference(q[b * n_q:(b + 1) * n_q], cache, tables[b], prefix + n_q)).abs().max().item()
+                  for b in sorted({0, n_seq - 1}))
+    t = bench(fn)
+    flops = prefill_flops(n_seq, prefix, n_q)
+    fa_cols, err_fa = f"{'-':>8} {'-':>10} {'-':>6}", "-"
+    if flash_attn_varlen_func is not None:
+        fa = lambda: flash_attn_varlen_func(q, cache.k, cache.v, cu_q, cu_k, n_q, prefix + n_q,
+                                            softmax_scale=SCALE, causal=True, block_table=tables)
+        err_fa = f"{(out - fa()).abs().max().item():8.1e}"
+        t_fa = bench(fa)
+        fa_cols = f"{t_fa * 1e3:8.1f} {flops / t_fa * 1e-9:10.1f} {t / t_fa:6.2f}"
+    emit(f"{name:>12} {t * 1e3:9.1f} {flops / t * 1e-9:7.1f} {fa_cols} {err_ref:8.1e} {err_fa:>8}")
+
+
+def run_prefill(cache, **config):
+    emit(f"== prefill: H={H} KVH={KVH} D={D} bf16 page={PAGE} {config or ''}")
+    emit(f"{'shape':>12} {'triton_us':>9} {'TFLOP/s':>7} {'fa_us':>8} {'fa_TFLOP/s':>10} {'tri/fa':>6} "
+         f"{'err_ref':>8} {'err_fa':>8}")
+    for shape in PREFILL_SHAPES:
+        prefill_row(cache, *shape, config)
+
+
+DECODE_TILES = [(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3),
+                   (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)]
+
+
+def sweep_decode_shape(cache, batch, ctx, copy_bw):
+    """(block_n, num_warps, num_stages) at the default split count, then split counts with the best."""
+    q, tables, lens = decode_inputs(cache, batch, ctx)
+    default = ta._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
+
+    def tbps(bn, w, s, splits):
+        fn = lambda: ta.paged_decode_attention(q, cache.k, cache.v, tables, lens, SCALE,
+                                               num_splits=splits, block_n=bn, num_warps=w, num_stages=s)
+        try:
+            fn()
+            return decode_bytes(batch, ctx) / (bench(fn, quick=True) * 1e-3) / 1e12
+        except Exception as e:  # e.g. out of shared memory
+            return type(e).__name__
+
+    results = {(bn, w, s, default): tbps(bn, w, s, default) for bn, w, s in DECODE_TILES}
+    best = max((k for k, v in results.items() if isinstance(v, float)), key=results.get)[:3]
+    for splits in (1, 2, 4, 8, 16, 32, 64):
+        if (*best, splits) not in results:
+            results[(*best, splits)] = tbps(*best, splits)
+    ranked = sorted(((v, k) for k, v in results.items() if isinstance(v, float)), reverse=True)
+    base = results[(64, 4, 3, default)]  # the kernel's default tile
+    if isinstance(base, float):
+        base = f"{base:.2f} TB/s = {100 * base * 1e12 / copy_bw:.0f}% of copy"
+    emit(f"B={batch} ctx={ctx}: default splits {default}, default tile 64/4/3: {base}")
+    emit("   top: " + "  ".join(f"{bn}/{w}/{s},{sp}:{v:.2f}" for v, (bn, w, s, sp) in ranked[:8]))
+    emit(f"   splits with tile {'/'.join(map(str, best))}: " + "  ".join(
+        f"{sp}:{results[(*best, sp)]:.2f}" for sp in (1, 2, 4, 8, 16, 32, 64)
+        if isinstance(results[(*best, sp)], float)))
+    failed = [k for k, v in results.items() if not isinstance(v, float)]
+    if failed:
+        emit(f"   failed: {failed}")
+
+
+def sweep(cache, copy_bw):
+    emit("== decode sweep: TB/s (median); config = block_n/num_warps/num_stages,num_splits")
+    for batch, ctx in ((256, 1024), (32, 2048), (8, 4096), (1, 4096)):
+        sweep_decode_shape(cache, batch, ctx, copy_bw)
+    for block_m, block_n, warps, stages in PREFILL_CONFIGS:
+        try:
+            run_prefill(cache, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+        except Exception as e:
+            emit(f"prefill {block_m}/{block_n}/{warps}/{stages} failed: {type(e).__name__}: {e}"[:200])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch configs")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    start = time.time()
+    torch.manual_seed(0)
+    fa = "yes" if flash_attn_with_kvcache else "not importable: Triton alone"
+    emit(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+         f"flash_attn: {fa}")
+    copy_bw = copy_bandwidth()
+    cache = Cache(max(BATCHES) * max(CONTEXTS))
+    run_decode(cache, copy_bw)
+    run_prefill(cache)
+    if args.sweep:
+        sweep(cache, copy_bw)
+    emit(f"total {time.time() - start:.0f} s")
+    if os.environ.get("OUT"):
+        pathlib.Path(os.environ["OUT"], "bench_attention.txt").write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+import os
+import random
+
+import pytest
+import torch
+
+# Without a GPU, Triton kernels run under Triton's interpreter on CPU tensors. This must be set
+# before any kernel is defined, i.e. before the test modules import nanovllm.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nanovllm.utils.tiny_model import write_tiny_qwen3
+
+NUM_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """Tiny random Qwen3 (tied embeddings) written by transformers, float32."""
+    path = str(tmp_path_factory.mktemp("tiny-qwen3"))
+    write_tiny_qwen3(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_untied(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-untied"))
+    write_tiny_qwen3(path, seed=1, tie_word_embeddings=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    """Ten token-id prompts of mixed lengths; several share long prefixes, two are repeated."""
+    rng = random.Random(0)
+    shared = [rng.randrange(256) for _ in range(40)]
+    unique = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 33, 60)]
+    return unique + [shared + [1, 2, 3], shared + [4, 5], shared[:32], unique[3], shared + [1, 2, 3]]
+
+
+def hf_greedy(model_path: str, prompt: list[int], num_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(model_path)
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            token = model(ids).logits[0, -1].argmax().item()
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    del AutoModelForCausalLM
+    return out
+
+
+_HF_MODELS: dict = {}
+
+
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    if path not in _HF_MODELS:
+        _HF_MODELS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _HF_MODELS[path]
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model, prompts) -> list[list[int]]:
+    """transformers' greedy continuation of every prompt (the oracle)."""
+    return [hf_greedy(tiny_model, p, NUM_NEW_TOKENS) for p in prompts]

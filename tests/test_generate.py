@@ -1,0 +1,103 @@
+"""Greedy generation through the public API is token-identical to transformers' greedy decoding."""
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sequence import Sequence
+from tests.conftest import NUM_NEW_TOKENS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+
+
+class PreemptionCounter:
+    """Wraps a scheduler's _preempt to count preemptions."""
+
+    def __init__(self, scheduler):
+        self.count = 0
+        inner = scheduler._preempt
+
+        def counting(seq):
+            self.count += 1
+            inner(seq)
+
+        scheduler._preempt = counting
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("case,options", [
+    ("plain", {}),
+    ("chunked", {"max_num_batched_tokens": 7}),
+    ("few_seqs", {"max_num_seqs": 2}),
+])
+def test_greedy_matches_transformers(tiny_model, prompts, hf_reference, block_size, case, options):
+    with LLM(tiny_model, kvcache_block_size=block_size, num_kvcache_blocks=64, max_model_len=512, **options) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == hf_reference
+    assert all(o["finish_reason"] == "length" for o in outputs)
+
+
+def test_greedy_under_preemption(tiny_model, prompts, hf_reference):
+    # Each request needs up to 6 blocks of 16 tokens; 8 blocks cannot hold two of them at once.
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
+        counter = PreemptionCounter(llm.scheduler)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.scheduler.block_manager.num_free_blocks == 8
+    assert counter.count > 0
+    assert [o["token_ids"] for o in outputs] == hf_reference
+
+
+def test_greedy_under_preemption_block_256(tiny_model, hf_reference, prompts):
+    # Prompts of ~250 tokens cross the 256-token block boundary while decoding.
+    long_prompts = [[(7 * i + j) % 256 for j in range(240 + i)] for i in range(4)]
+    from tests.conftest import hf_greedy
+
+    expected = [hf_greedy(tiny_model, p, NUM_NEW_TOKENS) for p in long_prompts]
+    with LLM(tiny_model, kvcache_block_size=256, num_kvcache_blocks=3, max_model_len=512) as llm:
+        counter = PreemptionCounter(llm.scheduler)
+        outputs = llm.generate(long_prompts, GREEDY, use_tqdm=False)
+    assert counter.count > 0
+    assert [o["token_ids"] for o in outputs] == expected
+
+
+def test_prefix_hits_give_identical_tokens(tiny_model, prompts, hf_reference):
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        # The 40-token shared prefix's two full blocks are now cached and revivable.
+        probe = Sequence(prompts[5], GREEDY, 16)
+        assert len(llm.scheduler.block_manager.cached_prefix(probe)) == 2
+        second = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in first] == hf_reference
+    assert [o["token_ids"] for o in second] == hf_reference[::-1]
+
+
+def test_untied_checkpoint_and_text_prompts(tiny_model_untied):
+    from transformers import AutoTokenizer
+
+    from tests.conftest import hf_greedy
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_untied)
+    texts = ["hello world", "héllo wörld, ünïcode"]
+    expected = [hf_greedy(tiny_model_untied, tok.encode(t), 8) for t in texts]
+    with LLM(tiny_model_untied, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
+        outputs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == expected
+    assert [o["text"] for o in outputs] == [tok.decode(e) for e in expected]
+
+
+def test_sampling_with_temperature_is_valid_and_varies(tiny_model, prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        outputs = llm.generate(prompts[:4] * 2, params, use_tqdm=False)
+    assert all(len(o["token_ids"]) == 16 and all(0 <= t < 320 for t in o["token_ids"]) for o in outputs)
+    assert outputs[0]["token_ids"] != outputs[4]["token_ids"]  # same prompt, independent samples
+
+
+def test_eos_stops_generation(tiny_model, prompts, hf_reference):
+    # Pretend the 5th greedy token of prompt 0 is EOS: generation must stop right after it.
+    eos = hf_reference[0][4]
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        llm.scheduler.eos_token_ids = {eos}
+        (out,) = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS), use_tqdm=False)
+    first = hf_reference[0].index(eos)
+    assert out["token_ids"] == hf_reference[0][:first + 1]
+    assert out["finish_reason"] == "stop"
