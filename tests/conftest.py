@@ -8,6 +8,9 @@ import torch
 # before any kernel is defined, i.e. before the test modules import nanovllm.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tiny model's ops are far too small to gain from intra-op threads; one thread also keeps
+# timings steady when tensor-parallel worker processes share the cores.
+torch.set_num_threads(1)
 
 from nanovllm.utils.tiny_model import write_tiny_qwen3
 

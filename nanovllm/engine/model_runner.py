@@ -4,6 +4,7 @@ Rank 0 lives in the engine's process and samples; ranks 1.. are spawned workers 
 received over shared memory (`ShmChannel`). Every rank runs every call, so collectives line up.
 """
 
+import os
 import socket
 import time
 from contextlib import contextmanager
@@ -44,6 +45,8 @@ def default_dtype_and_device(dtype: torch.dtype, device: torch.device):
 
 def run_worker(config: Config, rank: int, port: int, channel: WorkerEnd):
     """Entry point of a spawned worker rank: serve calls until `exit`."""
+    if config.device == "cpu":  # share the cores among the ranks instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     runner = ModelRunner(config, rank, port)
     try:
         while True:
@@ -111,8 +114,10 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        self.model = self.kv_cache = None  # free the GPU memory even if the engine object lives on
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         dist.destroy_process_group()
 
     # ---- KV cache ------------------------------------------------------------------------------

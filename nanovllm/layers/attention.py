@@ -31,16 +31,17 @@ class AttentionMetadata:
 
 @triton.jit
 def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
-                          slot_mapping_ptr, D: tl.constexpr):
+                          slot_mapping_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot == -1:
         return
-    offsets = tl.arange(0, D)
-    key = tl.load(key_ptr + token * key_stride + offsets)
-    value = tl.load(value_ptr + token * value_stride + offsets)
-    tl.store(k_cache_ptr + slot * D + offsets, key)
-    tl.store(v_cache_ptr + slot * D + offsets, value)
+    offsets = tl.arange(0, BLOCK_D)
+    mask = offsets < D
+    key = tl.load(key_ptr + token * key_stride + offsets, mask=mask)
+    value = tl.load(value_ptr + token * value_stride + offsets, mask=mask)
+    tl.store(k_cache_ptr + slot * D + offsets, key, mask=mask)
+    tl.store(v_cache_ptr + slot * D + offsets, value, mask=mask)
 
 
 def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -50,9 +51,8 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
     d = num_kv_heads * head_dim
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and key.stride(1) == head_dim
     assert value.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert d & (d - 1) == 0, "num_kv_heads * head_dim must be a power of two"
     _store_kvcache_kernel[(num_tokens,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache,
-                                         slot_mapping, d)
+                                         slot_mapping, d, triton.next_power_of_2(d))
 
 
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

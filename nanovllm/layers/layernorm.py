@@ -1,6 +1,25 @@
 import torch
 from torch import nn
 
+from nanovllm.utils.compile import compiled_on_cuda
+
+
+@compiled_on_cuda
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@compiled_on_cuda
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    dtype = x.dtype
+    x = x.float() + residual.float()
+    residual = x.to(dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * x.to(dtype), residual
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; with `residual`, adds it first and returns the new residual too."""
@@ -10,14 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _normalize(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        dtype = x.dtype
         if residual is None:
-            return self._normalize(x.float(), dtype)
-        x = x.float() + residual.float()
-        residual = x.to(dtype)
-        return self._normalize(x, dtype), residual
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,149 @@
+"""Throughput benchmark: upstream nano-vllm's workload, or a single stream.
+
+    python bench.py                       # 256 requests, prompts/outputs uniform in 100..1024 tokens
+    python bench.py --single-stream       # one request: time to first token, then decode tok/s
+    python bench.py --model DIR --tensor-parallel-size 2 --attention-backend triton
+
+Without --model and without ~/huggingface/Qwen3-0.6B, a random-weight checkpoint with Qwen3-0.6B's
+architecture is written once to ~/.cache/nanovllm/ (throughput with ignore_eos does not depend on
+the weights' values).
+"""
+
+import argparse
+import os
+import time
+from random import randint, seed
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.tiny_model import QWEN3_0_6B, QWEN3_8B, write_random_qwen3
+
+DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
+RANDOM_ARCHS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B}
+
+
+def resolve_model(path: str | None, arch: str) -> str:
+    if path is not None:
+        return path
+    if arch == "qwen3-0.6b" and os.path.isdir(DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    cached = os.path.expanduser(f"~/.cache/nanovllm/random-{arch}")
+    if not os.path.isfile(os.path.join(cached, "config.json")):
+        print(f"No checkpoint given: writing a random-weight {arch} checkpoint to {cached} (once)")
+        write_random_qwen3(cached, RANDOM_ARCHS[arch], dtype="bfloat16")
+    else:
+        print(f"Using the random-weight {arch} checkpoint in {cached}")
+    return cached
+
+
+def upstream_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024):
+    """Exactly upstream bench.py's draws: seed 0, prompts first, then sampling params."""
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def bench_throughput(llm: LLM, runs: int):
+    prompts, params = upstream_workload()
+    total = sum(p.max_tokens for p in params)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
+    for run in range(1, runs + 1):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        print(f"run {run}: {total} tokens in {seconds:.2f} s = {total / seconds:,.0f} tok/s")
+
+
+def bench_single_stream(llm: LLM, prompt_len: int, new_tokens: int):
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
+    vocab = min(10000, llm.config.hf_config.vocab_size - 1)
+    for _ in range(2):
+        llm.add_request([randint(0, vocab) for _ in range(prompt_len)],
+                        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens))
+        start = time.perf_counter()
+        llm.step()  # prefill, first token
+        first = time.perf_counter()
+        while not llm.is_finished():
+            llm.step()
+        end = time.perf_counter()
+        print(f"single stream: prompt {prompt_len}, time to first token {(first - start) * 1e3:.1f} ms, "
+              f"decode {(new_tokens - 1) / (end - first):,.0f} tok/s ({(end - first) / (new_tokens - 1) * 1e3:.2f} "
+              f"ms/token)")
+
+
+def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
+    """GPU-busy time vs wall clock over `steps` decode steps, the top kernels, and the top host functions."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts, params = upstream_workload(num_streams)
+    for prompt, sp in zip(prompts, params):
+        sp.max_tokens = 1024
+        llm.add_request(prompt, sp)
+    while llm.scheduler.waiting:
+        llm.step()
+    for _ in range(5):
+        llm.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    print(f"decode at batch {len(llm.scheduler.running)}: {wall / steps * 1e3:.2f} ms/step wall, GPU busy "
+          f"{gpu_us / steps / 1e3:.2f} ms/step ({gpu_us / 1e6 / wall:.0%})")
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(steps):
+        llm.step()
+    host.disable()
+    pstats.Stats(host).sort_stats("tottime").print_stats(12)
+    while not llm.is_finished():
+        llm.step()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help=f"checkpoint directory (default {DEFAULT_MODEL})")
+    parser.add_argument("--random-arch", default="qwen3-0.6b", choices=sorted(RANDOM_ARCHS),
+                        help="architecture of the random checkpoint written when no model is given")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--runs", type=int, default=2, help="timed runs in one process (the first warms up)")
+    parser.add_argument("--single-stream", action="store_true", help="one request instead of the batch workload")
+    parser.add_argument("--prompt-len", type=int, default=1000, help="single-stream prompt length")
+    parser.add_argument("--new-tokens", type=int, default=1024, help="single-stream output length")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile decode steps at batch 1 and 256 instead of timing the workload (CUDA)")
+    args = parser.parse_args()
+
+    model = resolve_model(args.model, args.random_arch)
+    with LLM(model, max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
+             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager) as llm:
+        print(f"KV pool: {llm.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens, "
+              f"backend {llm.config.attention_backend}, tp {args.tensor_parallel_size}")
+        if args.profile:
+            profile_decode(llm, 1)
+            profile_decode(llm, 256)
+        elif args.single_stream:
+            bench_single_stream(llm, args.prompt_len, args.new_tokens)
+        else:
+            bench_throughput(llm, args.runs)
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            print(f"GPU memory in use {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB; peak allocated by "
+                  f"torch on rank 0 {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
