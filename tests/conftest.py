@@ -4,6 +4,8 @@ import random
 import pytest
 import torch
 
+from nanovllm.utils.tiny_model import write_tiny_qwen3  # imports no Triton kernel
+
 # Without a GPU, Triton kernels run under Triton's interpreter on CPU tensors. This must be set
 # before any kernel is defined, i.e. before the test modules import nanovllm.
 if not torch.cuda.is_available():
@@ -12,7 +14,6 @@ if not torch.cuda.is_available():
 # timings steady when tensor-parallel worker processes share the cores.
 torch.set_num_threads(1)
 
-from nanovllm.utils.tiny_model import write_tiny_qwen3
 
 NUM_NEW_TOKENS = 24
 

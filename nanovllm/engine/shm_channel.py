@@ -68,7 +68,7 @@ class ShmChannel:
         """Wait until every worker has read the last call; raise if one of them has died."""
         if not self.pending_ack:
             return
-        for rank, event in enumerate(self.ack_events, start=1):
+        for event in self.ack_events:
             while not event.wait(poll_seconds):
                 self.check_workers_alive()
             event.clear()
