@@ -149,8 +149,13 @@ class LLMEngine:
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         try:
             token_ids = self.model_runner.call("run", seqs, is_prefill)
-        except BaseException:
-            self.exit()  # a failed step leaves the ranks out of step: release everything
+        except BaseException as error:
+            # A failed step leaves the ranks out of step: release everything. If a worker died,
+            # say so rather than surfacing the collective's connection error.
+            died = self.channel.dead_worker_error(grace_seconds=0.5) if self.channel is not None else None
+            self.exit()
+            if died is not None and died is not error:
+                raise died from error
             raise
         finished = self.scheduler.postprocess(seqs, token_ids)
         return StepResult(finished, num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)

@@ -72,7 +72,8 @@ class Scheduler:
     def _schedule_decode(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         bm = self.block_manager
-        while self.running and len(scheduled) < self.max_num_seqs:
+        # Each decode token counts against the token budget too.
+        while self.running and len(scheduled) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
             while not bm.can_append(seq):
                 if self.running:

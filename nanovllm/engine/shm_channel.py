@@ -75,9 +75,18 @@ class ShmChannel:
         self.pending_ack = False
 
     def check_workers_alive(self):
+        error = self.dead_worker_error()
+        if error is not None:
+            raise error
+
+    def dead_worker_error(self, grace_seconds: float = 0.0) -> WorkerDiedError | None:
+        """An error naming the first worker that has exited, if any (waiting up to `grace_seconds`
+        for a dying one to be reaped)."""
         for rank, process in enumerate(self.processes, start=1):
+            process.join(grace_seconds)
             if not process.is_alive():
-                raise WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {process.exitcode})")
+                return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {process.exitcode})")
+        return None
 
     def close(self):
         self.shm.close()
