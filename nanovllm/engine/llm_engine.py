@@ -30,6 +30,9 @@ class LLMEngine:
     def __init__(self, model: str, **options):
         self._exited = True  # until start-up completes, exit() has nothing of ours to release
         self.config = config = Config.from_options(model, **options)
+        if dist.is_initialized():  # rank 0 uses this process's default process group
+            raise RuntimeError("another LLM is still alive in this process (or torch.distributed is in use); "
+                               "call its exit() first")
         self.processes = []
         self.channel = None
         self.model_runner = None
