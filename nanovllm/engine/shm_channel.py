@@ -1,9 +1,11 @@
 """Control plane for tensor parallelism: rank 0 broadcasts each call to the worker ranks.
 
 One shared-memory segment holds the pickled `(method, args)` of the current call behind an 8-byte
-length header; a per-worker `call` event wakes each worker and a per-worker `ack` event says it has
-read the call, so the segment may be rewritten. When a call does not fit, rank 0 moves everyone to a
-larger segment first. The segment name is unique per engine; the owner unlinks it on close.
+length header; a per-worker `call` semaphore wakes each worker and a per-worker `ack` semaphore says
+it has read the call, so the segment may be rewritten. (Semaphores, not multiprocessing Events: an
+Event's set() waits for its sleepers to wake, so a killed worker would hang rank 0 forever.) When a
+call does not fit, rank 0 moves everyone to a larger segment first. The segment name is unique per
+engine; the owner unlinks it on close.
 """
 
 import os
@@ -24,8 +26,8 @@ class ShmChannel:
         self.base_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.generation = 0
         self.shm = shared_memory.SharedMemory(name=self._name(), create=True, size=size)
-        self.call_events = [ctx.Event() for _ in range(num_workers)]
-        self.ack_events = [ctx.Event() for _ in range(num_workers)]
+        self.call_semaphores = [ctx.Semaphore(0) for _ in range(num_workers)]
+        self.ack_semaphores = [ctx.Semaphore(0) for _ in range(num_workers)]
         self.processes = []  # set by the engine once spawned, for liveness checks
         self.pending_ack = False
 
@@ -33,7 +35,7 @@ class ShmChannel:
         return f"{self.base_name}-{self.generation}"
 
     def worker_end(self, rank: int) -> "WorkerEnd":
-        return WorkerEnd(self._name(), self.call_events[rank - 1], self.ack_events[rank - 1])
+        return WorkerEnd(self._name(), self.call_semaphores[rank - 1], self.ack_semaphores[rank - 1], os.getpid())
 
     def send(self, method: str, *args):
         """Publish a call to all workers (waits until they have read the previous one)."""
@@ -46,8 +48,11 @@ class ShmChannel:
     def _publish(self, payload: bytes):
         self.shm.buf[:HEADER_BYTES] = len(payload).to_bytes(HEADER_BYTES, "little")
         self.shm.buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
-        for event in self.call_events:
-            event.set()
+        self._wake_workers()
+
+    def _wake_workers(self):
+        for semaphore in self.call_semaphores:
+            semaphore.release()
         self.pending_ack = True
 
     def _grow(self, needed: int):
@@ -57,9 +62,7 @@ class ShmChannel:
         payload = pickle.dumps((_REATTACH, (self._name(),)))
         old.buf[:HEADER_BYTES] = len(payload).to_bytes(HEADER_BYTES, "little")
         old.buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
-        for event in self.call_events:
-            event.set()
-        self.pending_ack = True
+        self._wake_workers()
         self.wait_acks()
         old.close()
         old.unlink()
@@ -68,10 +71,9 @@ class ShmChannel:
         """Wait until every worker has read the last call; raise if one of them has died."""
         if not self.pending_ack:
             return
-        for event in self.ack_events:
-            while not event.wait(poll_seconds):
+        for semaphore in self.ack_semaphores:
+            while not semaphore.acquire(timeout=poll_seconds):
                 self.check_workers_alive()
-            event.clear()
         self.pending_ack = False
 
     def check_workers_alive(self):
@@ -99,27 +101,29 @@ class ShmChannel:
 class WorkerEnd:
     """A worker's side of the channel (picklable: it travels to the spawned process)."""
 
-    def __init__(self, name: str, call_event, ack_event):
+    def __init__(self, name: str, call_semaphore, ack_semaphore, parent_pid: int):
         self.name = name
-        self.call_event = call_event
-        self.ack_event = ack_event
+        self.call_semaphore = call_semaphore
+        self.ack_semaphore = ack_semaphore
+        self.parent_pid = parent_pid
         self.shm = None
 
     def receive(self) -> tuple[str, tuple]:
-        """Block until the next call; returns (method, args)."""
+        """Block until the next call; returns (method, args). Returns ("exit", ()) if rank 0's
+        process is gone (killed without a chance to say so), so no worker outlives it."""
         while True:
             if self.shm is None:
                 self.shm = shared_memory.SharedMemory(name=self.name)
-            self.call_event.wait()
-            self.call_event.clear()
+            while not self.call_semaphore.acquire(timeout=1.0):
+                if os.getppid() != self.parent_pid:
+                    return "exit", ()
             size = int.from_bytes(self.shm.buf[:HEADER_BYTES], "little")
             method, args = pickle.loads(self.shm.buf[HEADER_BYTES:HEADER_BYTES + size])
+            self.ack_semaphore.release()
             if method != _REATTACH:
-                self.ack_event.set()
                 return method, args
             self.shm.close()
             self.shm, self.name = None, args[0]
-            self.ack_event.set()
 
     def close(self):
         if self.shm is not None:
