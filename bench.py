@@ -3,6 +3,7 @@
     python bench.py                       # 256 requests, prompts/outputs uniform in 100..1024 tokens
     python bench.py --single-stream       # one request: time to first token, then decode tok/s
     python bench.py --model DIR --tensor-parallel-size 2 --attention-backend triton
+    python bench.py --mixed-sampling      # sampler step time at batch 256: every control vs temperature only
 
 Without --model and without ~/huggingface/Qwen3-0.6B, a random-weight checkpoint with Qwen3-0.6B's
 architecture is written once to ~/.cache/nanovllm/ (throughput with ignore_eos does not depend on
@@ -17,10 +18,11 @@ from random import randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import QWEN3_0_6B, QWEN3_8B, write_random_qwen3
+from nanovllm.utils.tiny_model import LLAMA_3_2_1B, QWEN2_5_0_5B, QWEN3_0_6B, QWEN3_8B, write_random_checkpoint
 
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
-RANDOM_ARCHS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B}
+RANDOM_ARCHS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "qwen2.5-0.5b": QWEN2_5_0_5B,
+                "llama-3.2-1b": LLAMA_3_2_1B}
 
 
 def resolve_model(path: str | None, arch: str) -> str:
@@ -31,7 +33,7 @@ def resolve_model(path: str | None, arch: str) -> str:
     cached = os.path.expanduser(f"~/.cache/nanovllm/random-{arch}")
     if not os.path.isfile(os.path.join(cached, "config.json")):
         print(f"No checkpoint given: writing a random-weight {arch} checkpoint to {cached} (once)")
-        write_random_qwen3(cached, RANDOM_ARCHS[arch], dtype="bfloat16")
+        write_random_checkpoint(cached, RANDOM_ARCHS[arch], dtype="bfloat16")
     else:
         print(f"Using the random-weight {arch} checkpoint in {cached}")
     return cached
@@ -111,6 +113,47 @@ def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
         llm.step()
 
 
+def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: int = 256, context: int = 1024,
+                         steps: int = 50, device: str = "cuda"):
+    """Sampler time per decode step (building the metadata from the sequences, sampling, copying the
+    tokens back) at batch `num_rows` on bf16 logits: temperature only, which runs the one-pass kernel,
+    vs batches mixing every control. Contexts are half prompt, half output, `context` tokens long."""
+    from nanovllm.engine.sampling_metadata import build_sampling_metadata
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.layers.sampler import Sampler
+
+    device = torch.device(device)
+    to_device = (lambda a: torch.from_numpy(a).pin_memory().to(device, non_blocking=True)) if device.type == "cuda" \
+        else torch.from_numpy
+    every = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2,
+                 logprobs=5)
+    mixes = {
+        "temperature only": [SamplingParams(temperature=0.6), SamplingParams(temperature=0)],
+        "mixed controls": [SamplingParams(temperature=0), SamplingParams(temperature=0.6),
+                           SamplingParams(temperature=0.6, top_k=50), SamplingParams(top_p=0.9),
+                           SamplingParams(min_p=0.05), SamplingParams(repetition_penalty=1.1, frequency_penalty=0.2),
+                           SamplingParams(seed=1), SamplingParams(logprobs=5)],
+        "every control, every row": [SamplingParams(temperature=0.6, seed=1, **every)],
+    }
+    logits = torch.randn(num_rows, vocab_size, device=device).to(torch.bfloat16)
+    sampler = Sampler()
+    for name, params in mixes.items():
+        seqs = []
+        for row in range(num_rows):
+            sp = params[row % len(params)]
+            seq = Sequence([randint(0, vocab_size - 1) for _ in range(context // 2)], sp, 256)
+            for _ in range(context - context // 2):
+                seq.append_token(randint(0, vocab_size - 1))
+            seqs.append(seq)
+        for _ in range(5):  # warm-up
+            sampler(logits, build_sampling_metadata(seqs, vocab_size, device, to_device))
+        start = time.perf_counter()
+        for _ in range(steps):
+            sampler(logits, build_sampling_metadata(seqs, vocab_size, device, to_device))  # syncs: tokens to host
+        print(f"sampler, batch {num_rows}, vocab {vocab_size}, {name}: "
+              f"{(time.perf_counter() - start) / steps * 1e3:.2f} ms/step")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help=f"checkpoint directory (default {DEFAULT_MODEL})")
@@ -125,8 +168,15 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=1024, help="single-stream output length")
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps at batch 1 and 256 instead of timing the workload (CUDA)")
+    parser.add_argument("--mixed-sampling", action="store_true",
+                        help="time the sampler alone at batch 256, every control mixed vs temperature only (CUDA)")
     args = parser.parse_args()
 
+    if args.mixed_sampling:
+        if not torch.cuda.is_available():
+            parser.error("--mixed-sampling needs CUDA")
+        bench_mixed_sampling()
+        return
     model = resolve_model(args.model, args.random_arch)
     with LLM(model, max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager) as llm:

@@ -9,7 +9,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")  # = nanovllm.models.MODELS
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
@@ -109,7 +110,10 @@ class Config:
                 if self.dtype == "float32":
                     self.dtype = "bfloat16"
         if self.attention_backend == "auto":
-            self.attention_backend = "torch" if self.device == "cpu" else _cuda_default_backend()
+            if self.device == "cpu":
+                self.attention_backend = "torch"
+            else:
+                self.attention_backend = _cuda_default_backend(head_dim(self.hf_config))
         if self.attention_backend == "flash_attn":
             if self.device != "cuda":
                 raise ValueError("attention_backend='flash_attn' needs device='cuda'")
@@ -124,12 +128,47 @@ class Config:
         return getattr(torch, self.dtype)
 
 
-def _cuda_default_backend() -> str:
+def _cuda_default_backend(head_dim: int) -> str:
+    # The flash-attn wheel on the lent H200s is built for head_dim 128 only: other head sizes (e.g.
+    # Llama-3.2-1B's and Qwen2.5-0.5B's 64) go to the Triton kernels, which take any power of two.
+    if head_dim != 128:
+        return "triton"
     try:
         import flash_attn  # noqa: F401
     except ImportError:
         return "triton"
     return "flash_attn"
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def rope_parameters(hf_config) -> dict:
+    """The checkpoint's RoPE settings as one dict with `rope_type` and `rope_theta`: transformers >= 5
+    keeps them in `rope_parameters`, older versions in `rope_scaling` plus a top-level `rope_theta`."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def _check_model_features(hf_config, path: str):
+    """Reject what the shared decoder does not implement, rather than compute something else."""
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type={rope['rope_type']!r} in {path!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} in {path!r} is not supported")
+    activation = getattr(hf_config, "hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"hidden_act={activation!r} in {path!r} is not supported; supported: 'silu'")
+    layer_types = getattr(hf_config, "layer_types", None)
+    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
+               else getattr(hf_config, "use_sliding_window", False))
+    if sliding:
+        raise ValueError(f"{path!r} uses sliding-window attention, which is not supported")
 
 
 def load_hf_config(model: str):
@@ -146,4 +185,6 @@ def load_hf_config(model: str):
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model)
+    hf_config = AutoConfig.from_pretrained(model)
+    _check_model_features(hf_config, path)
+    return hf_config

@@ -1,22 +1,94 @@
-"""Per-request sampling settings, named as in vLLM."""
+"""Per-request sampling settings, named and defined as in vLLM."""
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p * the top token's probability; 0 = off
+    seed: int | None = None  # per-request generator: the same seed gives the same tokens in any batch
     max_tokens: int = 64
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many tokens
     ignore_eos: bool = False
+    stop: str | list[str] | None = None  # stop strings, matched on the detokenized output
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or the output
+    presence_penalty: float = 0.0  # subtracted once from tokens present in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logprobs: int | None = None  # return the top-N log-probabilities (plus the sampled token's)
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
-            raise TypeError(f"temperature must be a float, got {self.temperature!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise TypeError(f"max_tokens must be an int, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0 (0 = greedy)")
+        _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        _check_int("top_k", self.top_k, lambda v: v >= -1, "0 or -1 (off) or >= 1")
+        _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        if self.seed is not None:
+            _check_int("seed", self.seed, lambda v: 0 <= v < 2**64, "in [0, 2**64)")
+        _check_int("max_tokens", self.max_tokens, lambda v: v >= 1, ">= 1")
+        _check_int("min_tokens", self.min_tokens, lambda v: 0 <= v <= self.max_tokens,
+                   f"in [0, max_tokens={self.max_tokens}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.stop = _string_list(self.stop)
+        self.stop_token_ids = _id_list(self.stop_token_ids)
+        _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0 (1 = off)")
+        _check_float("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        _check_float("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def uses_only_temperature(self) -> bool:
+        """True when the one-pass temperature sampler is enough: no filter, penalty, logprobs or seed."""
+        return (self.top_k in (0, -1) and self.top_p == 1 and self.min_p == 0 and self.seed is None
+                and self.logprobs is None and not self.uses_penalties)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _check_float(name: str, value, in_range: Callable[[float], bool], allowed: str):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    if not (math.isfinite(value) and in_range(value)):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def _check_int(name: str, value, in_range: Callable[[int], bool], allowed: str):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if not in_range(value):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def _string_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
+    if not all(stop):
+        raise ValueError(f"stop strings must be non-empty, got {stop!r}")
+    return list(stop)
+
+
+def _id_list(ids) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"stop_token_ids must be a list of int, got {ids!r}")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"stop_token_ids must be >= 0, got {ids!r}")
+    return list(ids)

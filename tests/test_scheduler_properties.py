@@ -155,11 +155,16 @@ def check_step(scheduler: Scheduler, seqs: list[Sequence], is_prefill: bool, wai
         assert list(scheduler.waiting) == waiting[len(done):]
         if len(done) < len(seqs):  # chunked: only a lone first sequence, cut at the budget
             assert len(seqs) == 1 and seqs[0].num_scheduled_tokens == scheduler.max_num_batched_tokens
-    else:  # every running sequence decodes, or is preempted from the tail to the head of waiting
-        assert list(scheduler.running) == seqs
+    else:  # the head of running decodes (one token each, within both budgets); the rest waits its
+        # turn in running, except victims preempted from the tail to the head of waiting
+        assert len(seqs) <= min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         assert all(seq.num_scheduled_tokens == 1 and seq.completes_prefill for seq in seqs)
-        victims = running[len(seqs):]
-        assert running[:len(seqs)] == seqs and list(scheduler.waiting) == victims + waiting
+        rest = list(scheduler.running)[len(seqs):]
+        assert list(scheduler.running) == running[:len(seqs) + len(rest)] and running[:len(seqs)] == seqs
+        if rest:  # stopped by a budget, not by running out of sequences
+            assert len(seqs) == min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+        victims = running[len(seqs) + len(rest):]
+        assert list(scheduler.waiting) == victims + waiting
         assert all(seq.status == SequenceStatus.WAITING and not seq.block_table for seq in victims)
 
 

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner, free_port, run_worker
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -99,8 +100,9 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def make_sequences(self, prompts, sampling_params) -> list[Sequence]:
-        """Validate a whole batch and turn it into sequences; raises before anything is queued."""
+    def make_sequences(self, prompts, sampling_params, detokenize: bool = False) -> list[Sequence]:
+        """Validate a whole batch and turn it into sequences; raises before anything is queued.
+        Sequences with stop strings, or all of them when `detokenize`, decode their text as it grows."""
         self._check_alive()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -129,11 +131,20 @@ class LLMEngine:
                        None)
             if bad is not None:
                 raise ValueError(f"prompt {i} has token id {bad!r} outside the vocabulary [0, {vocab_size})")
+            bad = next((t for t in sp.stop_token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"sampling_params[{i}].stop_token_ids has {bad} outside the vocabulary "
+                                 f"[0, {vocab_size})")
             try:
                 self.scheduler.check_fits(len(tokens), sp.max_tokens)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return [Sequence(tokens, sp, self.config.kvcache_block_size) for tokens, sp in zip(token_lists, sampling_params)]
+        seqs = [Sequence(tokens, sp, self.config.kvcache_block_size, self.eos_token_ids)
+                for tokens, sp in zip(token_lists, sampling_params)]
+        for seq in seqs:
+            if detokenize or seq.sampling_params.stop:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.sampling_params)
+        return seqs
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue one request; returns its sequence id."""
@@ -150,8 +161,9 @@ class LLMEngine:
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any request (internal error)")
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        sampled = [seq for seq in seqs if seq.completes_prefill] if is_prefill else seqs  # those getting a token
         try:
-            token_ids = self.model_runner.call("run", seqs, is_prefill)
+            output = self.model_runner.call("run", seqs, is_prefill)
         except BaseException as error:
             # A failed step leaves the ranks out of step: release everything. If a worker died,
             # say so rather than surfacing the collective's connection error.
@@ -160,8 +172,32 @@ class LLMEngine:
             if died is not None and died is not error:
                 raise died from error
             raise
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        finished = self.scheduler.postprocess(seqs, output.token_ids)
+        if output.logprobs is not None:
+            for seq, (ids, logprobs) in zip(sampled, output.logprobs):
+                n = seq.sampling_params.logprobs
+                if n is not None:  # ids: the sampled token, then the top N of the row asking the most
+                    seq.logprobs.append({ids[0]: logprobs[0], **dict(zip(ids[1:n + 1], logprobs[1:n + 1]))})
+                    seq.cumulative_logprob += logprobs[0]
+        finished += self._detokenize(sampled)
         return StepResult(finished, num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
+
+    def _detokenize(self, sampled: list[Sequence]) -> list[Sequence]:
+        """Give each new token to its sequence's detokenizer; finish the sequences whose stop string
+        appeared and return them."""
+        finished = []
+        for seq in sampled:
+            if seq.detokenizer is None:
+                continue
+            stop = seq.detokenizer.update(seq.last_token, seq.is_finished, stop_terminated=seq.finish_reason == "stop")
+            if stop is None:
+                continue
+            if seq.is_finished:  # by length or a stop id in the same token: the stop string wins, as in vLLM
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop_reason=stop)
+                finished.append(seq)
+        return finished
 
     def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
         """Run a batch to completion; outputs in input order."""
@@ -190,7 +226,18 @@ class LLMEngine:
 
     def output_of(self, seq: Sequence) -> dict:
         tokens = seq.completion_token_ids
-        return {"text": self.tokenizer.decode(tokens), "token_ids": tokens, "finish_reason": seq.finish_reason}
+        params = seq.sampling_params
+        if seq.detokenizer is not None:
+            text = seq.detokenizer.text
+        else:  # as vLLM, without the text of the EOS or stop id that ended the sequence
+            shown = tokens[:-1] if seq.finish_reason == "stop" and not params.include_stop_str_in_output else tokens
+            text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+        output = {"text": text, "token_ids": tokens, "finish_reason": seq.finish_reason,
+                  "stop_reason": seq.stop_reason}
+        if params.logprobs is not None:
+            output["logprobs"] = seq.logprobs
+            output["cumulative_logprob"] = seq.cumulative_logprob
+        return output
 
 
 def eos_token_ids(tokenizer, config: Config) -> set[int]:

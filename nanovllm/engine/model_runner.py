@@ -16,11 +16,12 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerEnd
 from nanovllm.layers.attention import AttentionMetadata
-from nanovllm.layers.sampler import Sampler
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.layers.sampler import Sampler, SamplerOutput
+from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
 
 CPU_KV_CACHE_BYTES = 2 << 30  # KV pool budget on CPU when num_kvcache_blocks is not given
@@ -75,7 +76,7 @@ class ModelRunner:
         self._init_process_group(port)
         self.dtype = config.torch_dtype
         with default_dtype_and_device(self.dtype, self.device):
-            self.model = Qwen3ForCausalLM(hf, config.attention_backend)
+            self.model = model_class(hf)(hf, config.attention_backend)
         load_model(self.model, config.model)
         self.sampler = Sampler()
         self.num_kv_heads = hf.num_key_value_heads // self.world_size
@@ -162,7 +163,8 @@ class ModelRunner:
         rows = hidden[-1:].expand(self.config.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if self.rank == 0:
-            self.sampler(logits, torch.ones(len(rows), device=self.device))
+            profiled = [Sequence([0], ALL_CONTROLS, self.block_size)] * len(rows)  # the most memory-hungry path
+            self.sampler(logits, build_sampling_metadata(profiled, logits.shape[1], self.device, self._to_device))
         del hidden, rows, logits
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -234,7 +236,7 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput | None:
         """Compute one step; on rank 0 return a sampled token per sequence that completes its prefill
         (every sequence in decode)."""
         if is_prefill:
@@ -250,9 +252,9 @@ class ModelRunner:
             sampling_seqs = seqs
         logits = self.model.compute_logits(hidden)
         if self.rank != 0 or not sampling_seqs:
-            return None if self.rank != 0 else []
-        temperatures = self._to_device(np.array([seq.temperature for seq in sampling_seqs], dtype=np.float32))
-        return self.sampler(logits, temperatures).tolist()
+            return None if self.rank != 0 else SamplerOutput([])
+        meta = build_sampling_metadata(sampling_seqs, logits.shape[1], self.device, self._to_device)
+        return self.sampler(logits, meta)
 
 
 def _dummy_sequence(num_tokens: int, block_size: int) -> Sequence:

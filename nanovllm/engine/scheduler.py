@@ -116,15 +116,24 @@ class Scheduler:
                 continue
             token_id = next(tokens)
             seq.append_token(token_id)
-            if not seq.ignore_eos and token_id in self.eos_token_ids:
-                seq.finish_reason = "stop"
+            # EOS and stop ids end a sequence only after min_tokens tokens (the sampler holds them back).
+            may_stop = seq.num_completion_tokens > seq.min_tokens
+            if may_stop and not seq.ignore_eos and token_id in self.eos_token_ids:
+                self.finish(seq, "stop")
+            elif may_stop and token_id in seq.stop_token_ids:
+                self.finish(seq, "stop", stop_reason=token_id)
             elif seq.num_completion_tokens >= seq.max_tokens:
-                seq.finish_reason = "length"
+                self.finish(seq, "length")
             else:
                 continue
-            seq.status = SequenceStatus.FINISHED
-            self.block_manager.deallocate(seq)
-            self.running.remove(seq)
             finished.append(seq)
         assert next(tokens, None) is None, "more sampled tokens than sequences that completed prefill"
         return finished
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
+        """End `seq` now, running or waiting (a stop token or string, or the caller gave up on it):
+        free its blocks and drop it from the queues."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.block_manager.deallocate(seq)
+        (self.running if seq in self.running else self.waiting).remove(seq)

@@ -1,5 +1,6 @@
 """A request's tokens and its place in the KV cache."""
 
+from collections.abc import Iterable
 from copy import copy
 from enum import Enum, auto
 from itertools import count
@@ -16,7 +17,8 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 eos_token_ids: Iterable[int] = ()):
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
@@ -26,10 +28,23 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens whose KV is in the cache and valid
         self.num_scheduled_tokens = 0  # tokens this step computes, from num_cached_tokens on
         self.block_table: list[int] = []
+        # Sampling and stopping (rank 0 only: never pickled for the workers).
+        self.sampling_params = sampling_params
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
+        self.min_tokens = sampling_params.min_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        # Ids the sampler suppresses until min_tokens tokens exist (vLLM masks EOS even with ignore_eos).
+        self.min_tokens_stop_ids = sorted(self.stop_token_ids.union(eos_token_ids)) if self.min_tokens else []
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.logprobs: list[dict[int, float]] = []  # per output token, when sampling_params.logprobs is set
+        self.cumulative_logprob = 0.0
+        self.only_temperature = sampling_params.uses_only_temperature  # the one-pass sampler will do
+        self.generator = None  # torch.Generator of a seeded request, made by the sampler on first use
+        self.token_history = None  # numpy copy of token_ids for penalties, grown by the sampler
+        self.detokenizer = None  # IncrementalDetokenizer when stop strings or streaming need the text as it grows
         # Index into token_ids of token num_cached_tokens; nonzero only on worker ranks, which
         # receive just the tokens of the scheduled chunk.
         self._first_token_index = 0

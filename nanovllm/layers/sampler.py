@@ -2,13 +2,19 @@
 
 argmax_v p_v / E_v with E_v ~ Exp(1) draws v with probability p_v; in log space that is
 argmax_v logit_v / T + G_v with Gumbel noise G_v = -log(-log U_v). On CUDA one Triton kernel does it
-in a single pass over the logits (no softmax, no float32 copy, no host sync per sequence).
+in a single pass over the logits (no softmax, no float32 copy, no host sync per sequence). A batch in
+which some row uses top-k / top-p / min-p, penalties, a seed or logprobs takes the general path: the
+same race after batched logits processing (`logits_processor.py`), still one call for the whole batch.
 """
+
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 from torch import nn
+
+from nanovllm.layers.logits_processor import apply_min_p, apply_penalties, apply_top_k_top_p
 
 
 @triton.jit
@@ -51,10 +57,82 @@ def sample_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tens
     return torch.where(greedy, logits.argmax(dim=-1), probs.div_(noise).argmax(dim=-1))
 
 
+@dataclass(slots=True)
+class Penalties:
+    prompt_ids: torch.Tensor  # [rows, max_len] int64, padded with vocab_size
+    output_ids: torch.Tensor  # [rows, max_len] int64, padded with vocab_size
+    repetition: torch.Tensor  # [rows] float32, 1 = off
+    frequency: torch.Tensor  # [rows] float32, 0 = off
+    presence: torch.Tensor  # [rows] float32, 0 = off
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """One step's sampling settings on the device, a row per sampled sequence. A control that no row
+    uses is None (or empty), so a temperature-only batch keeps the one-pass kernel."""
+
+    temperatures: torch.Tensor  # [rows] float32, 0 = greedy
+    top_k: torch.Tensor | None = None  # [rows] int64, vocab_size = off
+    top_p: torch.Tensor | None = None  # [rows] float32, 1 = off
+    min_p: torch.Tensor | None = None  # [rows] float32, 0 = off
+    penalties: Penalties | None = None
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its request's seeded generator
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) [n] each: never sampled
+    num_logprobs: int | None = None  # top-N log-probabilities for every row (the largest N any row asks for)
+
+    @property
+    def only_temperature(self) -> bool:
+        return (self.top_k is None and self.top_p is None and self.min_p is None and self.penalties is None
+                and not self.generators and self.num_logprobs is None)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's results on the host, an entry per row."""
+
+    token_ids: list[int]
+    # Per row when logprobs were asked for: ([sampled id, top-1 id, ..., top-N id], their log-probabilities).
+    logprobs: list[tuple[list[int], list[float]]] | None = None
+
+
+def sample_with_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The general path, vLLM's order: penalties, greedy argmax, temperature, min-p, top-k / top-p,
+    then the exponential race (per-request generators for seeded rows). logits: [rows, vocab] -> [rows]."""
+    logits = logits.to(torch.float32, copy=True)  # [rows, vocab], processed in place
+    if meta.penalties is not None:
+        p = meta.penalties
+        apply_penalties(logits, p.prompt_ids, p.output_ids, p.repetition, p.frequency, p.presence)
+    greedy = meta.temperatures == 0
+    greedy_tokens = logits.argmax(dim=-1)
+    logits.div_(torch.where(greedy, 1.0, meta.temperatures).unsqueeze(1))
+    if meta.min_p is not None:
+        apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in meta.generators.items():
+        noise[row].exponential_(generator=generator)
+    sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
+    return torch.where(greedy, greedy_tokens, sampled)
+
+
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        """logits: [num_seqs, vocab]; temperatures: [num_seqs] float32 (0 = greedy) -> [num_seqs] token ids."""
-        if logits.is_cuda:
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [rows, vocab] (modified in place) -> a token per row, plus log-probabilities if asked."""
+        # Log-probabilities of the model's raw logits, before penalties, temperature and filtering, as
+        # vLLM returns by default (logprobs_mode="raw_logprobs").
+        logprobs = None if meta.num_logprobs is None else torch.log_softmax(logits.float(), dim=-1)
+        if meta.suppressed is not None:
+            logits[meta.suppressed] = -float("inf")
+        if not meta.only_temperature:
+            tokens = sample_with_controls(logits, meta)
+        elif logits.is_cuda:
             # The kernel's noise seed comes from torch's CPU generator: torch.manual_seed reproduces runs.
-            return sample_triton(logits, temperatures, int(torch.randint(2**31 - 1, ()).item()))
-        return sample_torch(logits, temperatures)
+            tokens = sample_triton(logits, meta.temperatures, int(torch.randint(2**31 - 1, ()).item()))
+        else:
+            tokens = sample_torch(logits, meta.temperatures)
+        if logprobs is None:
+            return SamplerOutput(tokens.tolist())
+        ids = torch.cat([tokens.unsqueeze(1), logprobs.topk(meta.num_logprobs, dim=-1).indices], dim=1)  # [rows, 1+N]
+        return SamplerOutput(tokens.tolist(), list(zip(ids.tolist(), logprobs.gather(1, ids).tolist())))

@@ -1,4 +1,4 @@
-"""Write small random Qwen3 checkpoints with transformers, for tests, examples and benchmarks.
+"""Write small random checkpoints (Qwen3, Qwen2, Llama) with transformers, for tests, examples and benchmarks.
 
 The weights are random, so generated text is meaningless; what matters is that transformers wrote
 them, so our engine can be checked token for token against transformers on the same weights.
@@ -24,6 +24,16 @@ QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, n
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
+# Qwen2.5-0.5B's published architecture (head_dim = 896 / 14 = 64; no sliding window).
+QWEN2_5_0_5B = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                    max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+# Llama-3.2-1B's published architecture, with its llama3 RoPE scaling.
+LLAMA_3_2_1B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=8192), tie_word_embeddings=True)
 
 
 def write_byte_tokenizer(path: str, vocab_size: int = TINY_VOCAB_SIZE):
@@ -43,27 +53,56 @@ def write_byte_tokenizer(path: str, vocab_size: int = TINY_VOCAB_SIZE):
     fast.save_pretrained(path)
 
 
-def write_random_qwen3(path: str, arch: dict, dtype: str = "float32", seed: int = 0,
-                       initializer_range: float = 0.02, tokenizer: bool = True):
-    """Save a random-weight Qwen3ForCausalLM with architecture `arch` (config fields) to `path`."""
+def _transformers_classes(architecture: str):
+    """(config class, model class) of transformers for a config.json `architectures` name."""
+    import transformers
+
+    config_names = {"Qwen3ForCausalLM": "Qwen3Config", "Qwen2ForCausalLM": "Qwen2Config",
+                    "LlamaForCausalLM": "LlamaConfig"}
+    if architecture not in config_names:
+        raise ValueError(f"no random-checkpoint writer for {architecture!r}; known: {', '.join(config_names)}")
+    return getattr(transformers, config_names[architecture]), getattr(transformers, architecture)
+
+
+def write_random_checkpoint(path: str, arch: dict, dtype: str = "float32", seed: int = 0,
+                            initializer_range: float = 0.02, tokenizer: bool = True):
+    """Save a random-weight model with architecture `arch` (config.json fields; `architectures` picks
+    the family, Qwen3 if absent; `rope_theta` and an optional `rope_scaling` dict give the RoPE) to `path`.
+
+    Biases (which transformers initializes to zero) are drawn like the weights, so that a test sees
+    them if they are loaded wrongly.
+    """
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig
 
     os.makedirs(path, exist_ok=True)
     arch = dict(arch)
-    rope_theta = arch.pop("rope_theta", 1000000.0)
-    config = Qwen3Config(**arch, initializer_range=initializer_range, rope_parameters={"rope_type": "default",
-                         "rope_theta": rope_theta}, bos_token_id=None, eos_token_id=SPECIAL_TOKENS.index("<|im_end|>")
-                         + 256, pad_token_id=256)
+    (architecture,) = arch.pop("architectures", ["Qwen3ForCausalLM"])
+    config_class, model_class = _transformers_classes(architecture)
+    rope = {"rope_type": "default", **arch.pop("rope_scaling", {}), "rope_theta": arch.pop("rope_theta", 1000000.0)}
+    config = config_class(**arch, initializer_range=initializer_range, rope_parameters=rope, bos_token_id=None,
+                          eos_token_id=SPECIAL_TOKENS.index("<|im_end|>") + 256, pad_token_id=256)
     torch.manual_seed(seed)
     with torch.device("cpu"):
-        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+        model = model_class(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, initializer_range)
+        model = model.to(getattr(torch, dtype))
     model.save_pretrained(path)
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=256).save_pretrained(path)
     if tokenizer:
         write_byte_tokenizer(path, arch["vocab_size"] if arch["vocab_size"] <= 4096 else TINY_VOCAB_SIZE)
     with open(os.path.join(path, "config.json")) as f:
-        assert json.load(f)["architectures"] == ["Qwen3ForCausalLM"]
+        assert json.load(f)["architectures"] == [architecture]
+
+
+def write_random_qwen3(path: str, arch: dict, dtype: str = "float32", seed: int = 0,
+                       initializer_range: float = 0.02, tokenizer: bool = True):
+    """Save a random-weight Qwen3ForCausalLM with architecture `arch` (config fields) to `path`."""
+    write_random_checkpoint(path, {"architectures": ["Qwen3ForCausalLM"], **arch}, dtype=dtype, seed=seed,
+                            initializer_range=initializer_range, tokenizer=tokenizer)
 
 
 def write_tiny_qwen3(path: str, dtype: str = "float32", seed: int = 0, **arch_overrides):
@@ -79,3 +118,22 @@ def tiny_qwen3_arch(**overrides) -> dict:
                 rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
     arch.update(overrides)
     return arch
+
+
+def write_tiny_qwen2(path: str, dtype: str = "float32", seed: int = 0, **arch_overrides):
+    """A tiny random Qwen2 (q/k/v biases, no q/k norm), drawn like write_tiny_qwen3's."""
+    arch = tiny_qwen3_arch(architectures=["Qwen2ForCausalLM"])
+    del arch["head_dim"]  # Qwen2 configs have none: hidden / heads = 16
+    arch.update(arch_overrides)
+    write_random_checkpoint(path, arch, dtype=dtype, seed=seed, initializer_range=0.3)
+
+
+def write_tiny_llama(path: str, dtype: str = "float32", seed: int = 0, **arch_overrides):
+    """A tiny random Llama 3.1-style model. Its llama3 RoPE scaling has original_max_position_embeddings
+    256, so that of head_dim 16's 8 frequencies (wavelengths 6 .. 2e4 at theta 1e4) 3 keep their value
+    (wavelength < 256 / 4), 1 is interpolated and 4 are divided by the factor (wavelength > 256)."""
+    arch = tiny_qwen3_arch(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
+                           rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                             high_freq_factor=4.0, original_max_position_embeddings=256))
+    arch.update(arch_overrides)
+    write_random_checkpoint(path, arch, dtype=dtype, seed=seed, initializer_range=0.3)

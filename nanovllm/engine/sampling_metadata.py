@@ -1,0 +1,95 @@
+"""Gather one step's sampling settings from the sequences into device tensors for the Sampler (rank 0).
+
+Host work is a few passes over the rows; a control no row uses costs nothing beyond the check, so a
+temperature-only batch pays what it did before the other controls existed.
+"""
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import Penalties, SamplingMetadata
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# Every control at once: the memory profile samples a batch with these settings.
+ALL_CONTROLS = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.1,
+                              frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
+
+
+def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device: torch.device,
+                            to_device: Callable[[np.ndarray], torch.Tensor]) -> SamplingMetadata:
+    """`seqs`: the sequences that sample this step, one row each; `to_device` copies a host array to
+    `device` (the model runner's pinned, non-blocking copy)."""
+    meta = SamplingMetadata(to_device(np.array([seq.temperature for seq in seqs], dtype=np.float32)))
+    # EOS and stop ids of the rows still short of min_tokens.
+    suppressed = [(row, token_id) for row, seq in enumerate(seqs)
+                  if seq.min_tokens_stop_ids and seq.num_completion_tokens < seq.min_tokens
+                  for token_id in seq.min_tokens_stop_ids]
+    if suppressed:
+        rows, token_ids = to_device(np.array(suppressed, dtype=np.int64).T.copy())  # [2, n]
+        meta.suppressed = (rows, token_ids)
+    if all(seq.only_temperature for seq in seqs):
+        return meta
+    params = [seq.sampling_params for seq in seqs]
+    if any(p.top_k > 0 for p in params):
+        meta.top_k = to_device(np.array([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
+                                        dtype=np.int64))
+    if any(p.top_p < 1 for p in params):
+        meta.top_p = to_device(np.array([p.top_p for p in params], dtype=np.float32))
+    if any(p.min_p > 0 for p in params):
+        meta.min_p = to_device(np.array([p.min_p for p in params], dtype=np.float32))
+    if any(p.uses_penalties for p in params):
+        meta.penalties = _penalties(seqs, vocab_size, to_device)
+    for row, seq in enumerate(seqs):
+        if seq.sampling_params.seed is not None:
+            if seq.generator is None:
+                seq.generator = torch.Generator(device=device).manual_seed(seq.sampling_params.seed)
+            meta.generators[row] = seq.generator
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    if wanted:
+        meta.num_logprobs = max(wanted)
+    return meta
+
+
+def _penalties(seqs: list[Sequence], vocab_size: int, to_device: Callable[[np.ndarray], torch.Tensor]) -> Penalties:
+    """Token ids of the penalised rows, prompt and output apart, padded with vocab_size; the other rows
+    are all padding and their penalties neutral."""
+    params = [seq.sampling_params for seq in seqs]
+    penalised = [row for row, p in enumerate(params) if p.uses_penalties]
+    ids = np.full((len(seqs), max(len(seqs[row]) for row in penalised)), vocab_size, dtype=np.int64)
+    prompt_lens = np.zeros((len(seqs), 1), dtype=np.int64)
+    for row in penalised:
+        seq = seqs[row]
+        if seq.token_history is None:
+            seq.token_history = TokenHistory()
+        ids[row, :len(seq)] = seq.token_history.update(seq.token_ids)
+        prompt_lens[row] = seq.num_prompt_tokens
+    ids, prompt_lens = to_device(ids), to_device(prompt_lens)  # [rows, max_len], [rows, 1]
+    is_prompt = torch.arange(ids.shape[1], device=ids.device) < prompt_lens
+    return Penalties(
+        prompt_ids=ids.masked_fill(~is_prompt, vocab_size),
+        output_ids=ids.masked_fill(is_prompt, vocab_size),
+        repetition=to_device(np.array([p.repetition_penalty for p in params], dtype=np.float32)),
+        frequency=to_device(np.array([p.frequency_penalty for p in params], dtype=np.float32)),
+        presence=to_device(np.array([p.presence_penalty for p in params], dtype=np.float32)),
+    )
+
+
+class TokenHistory:
+    """A growing int64 copy of a sequence's token ids: each step converts only the new tokens."""
+
+    def __init__(self):
+        self.array = np.empty(0, dtype=np.int64)
+        self.length = 0
+
+    def update(self, token_ids: list[int]) -> np.ndarray:
+        n = len(token_ids)
+        if n > len(self.array):
+            grown = np.empty(max(n, 2 * len(self.array)), dtype=np.int64)
+            grown[:self.length] = self.array[:self.length]
+            self.array = grown
+        self.array[self.length:n] = token_ids[self.length:]
+        self.length = n
+        return self.array[:n]

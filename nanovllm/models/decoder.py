@@ -1,0 +1,136 @@
+"""The dense decoder shared by the supported families: GQA attention with RoPE, SwiGLU MLP, pre-norm
+residual blocks, tensor-parallel layers. A family (qwen3.py, qwen2.py, llama.py) is a subclass of
+`DecoderForCausalLM` that states its `DecoderOptions`; parameter names follow the checkpoints'."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanovllm.config import head_dim
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention, AttentionMetadata
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.rotary_embedding import get_rope
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderOptions:
+    """Where the families differ."""
+
+    qkv_bias: bool = False  # bias on q/k/v_proj (Qwen2)
+    o_bias: bool = False  # bias on o_proj
+    mlp_bias: bool = False  # bias on gate/up/down_proj
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str):
+        super().__init__()
+        tp_size = torch.distributed.get_world_size()
+        hidden = hf_config.hidden_size
+        self.head_dim = head_dim(hf_config)
+        self.num_heads = hf_config.num_attention_heads // tp_size
+        self.num_kv_heads = hf_config.num_key_value_heads // tp_size
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, hf_config.num_attention_heads,
+                                          hf_config.num_key_value_heads, bias=options.qkv_bias)
+        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hidden, bias=options.o_bias)
+        self.rotary_emb = get_rope(self.head_dim, hf_config)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+                              attention_backend)
+        self.qk_norm = options.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.flatten(1, -1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, hf_config, options: DecoderOptions):
+        super().__init__()
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=options.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=options.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str):
+        super().__init__()
+        self.self_attn = DecoderAttention(hf_config, options, attention_backend)
+        self.mlp = DecoderMLP(hf_config, options)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual, meta: AttentionMetadata):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, meta)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(hf_config, options, attention_backend) for _ in range(hf_config.num_hidden_layers)])
+        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, meta)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DecoderForCausalLM(nn.Module):
+    """A causal LM over `DecoderModel`; subclasses say how their config maps to `DecoderOptions`."""
+
+    # checkpoint name -> (our parameter name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @classmethod
+    def decoder_options(cls, hf_config) -> DecoderOptions:
+        raise NotImplementedError
+
+    def __init__(self, hf_config, attention_backend: str):
+        super().__init__()
+        self.model = DecoderModel(hf_config, self.decoder_options(hf_config), attention_backend)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden_states)

@@ -1,0 +1,197 @@
+"""The general sampler path and the logits processors, on synthetic logits: vLLM's definitions of
+top-k / top-p / min-p and the penalties, greedy rows in mixed batches, seeds, raw logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from nanovllm.engine.sampling_metadata import build_sampling_metadata
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers import sampler as sampler_module
+from nanovllm.layers.logits_processor import apply_penalties
+from nanovllm.layers.sampler import Sampler, SamplingMetadata
+from nanovllm.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def metadata(seqs: list[Sequence], vocab_size: int) -> SamplingMetadata:
+    return build_sampling_metadata(seqs, vocab_size, CPU, torch.from_numpy)
+
+
+def rows(params: list[SamplingParams], prompt=(1, 2, 3)) -> list[Sequence]:
+    return [Sequence(list(prompt), p, block_size=16) for p in params]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seqs=None):
+    seqs = seqs or rows(params)
+    return Sampler()(logits.clone(), metadata(seqs, logits.shape[1]))
+
+
+def allowed_set(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """The tokens vLLM may sample from one row of logits, computed the slow, obvious way."""
+    logits = row.double() / p.temperature
+    probs = torch.softmax(logits, dim=0)
+    order = torch.argsort(logits, descending=True).tolist()
+    keep = set(order)
+    if p.min_p > 0:
+        keep &= {t for t in order if probs[t] >= p.min_p * probs.max()}
+    if p.top_k > 0:
+        keep &= {t for t in order if logits[t] >= logits[order[p.top_k - 1]]}
+    if p.top_p < 1:
+        # Among the survivors so far (renormalised), the most likely tokens until their mass reaches top_p.
+        kept = [t for t in order if t in keep]
+        mass = torch.softmax(logits[kept], dim=0).tolist()
+        total, nucleus = 0.0, set()
+        for t, m in zip(kept, mass):
+            nucleus.add(t)
+            total += m
+            if total >= p.top_p - 1e-6:
+                break
+        keep = nucleus
+    return keep
+
+
+def test_temperature_only_batches_keep_the_one_pass_sampler(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sampler_module, "sample_torch", lambda logits, t: calls.append(t) or logits.argmax(-1))
+    plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0, stop="x", min_tokens=2)]
+    meta = metadata(rows(plain), 50)
+    assert meta.only_temperature
+    assert meta.suppressed is None  # min_tokens without stop ids or EOS here: nothing to hold back
+    Sampler()(torch.randn(2, 50), meta)
+    assert len(calls) == 1
+    mixed = metadata(rows(plain + [SamplingParams(top_k=3)]), 50)
+    assert not mixed.only_temperature and mixed.top_k.tolist() == [50, 50, 3]
+    assert mixed.top_p is None and mixed.min_p is None and mixed.penalties is None
+
+
+def test_greedy_rows_are_argmax_in_a_batch_mixing_every_control():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 500)
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=5), SamplingParams(temperature=0, top_p=0.5),
+              SamplingParams(top_p=0.8, seed=3), SamplingParams(temperature=0, min_p=0.3), SamplingParams(logprobs=2),
+              SamplingParams(temperature=0, logprobs=3), SamplingParams(min_p=0.1, top_k=10, top_p=0.9)]
+    tokens = sample(logits, params).token_ids
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            assert tokens[i] == logits[i].argmax().item()
+
+
+@pytest.mark.parametrize("controls", [{"top_k": 1}, {"top_p": 1e-6}, {"top_k": 1, "min_p": 0.5}])
+def test_tightest_filters_equal_greedy(controls):
+    torch.manual_seed(1)
+    logits = torch.randn(64, 1000) * 3
+    tokens = sample(logits, [SamplingParams(temperature=1.5, **controls)] * 64).token_ids
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_sampled_tokens_stay_inside_the_filtered_set():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(48, 200, generator=gen) * 2
+    params = []
+    for i in range(48):
+        params.append(SamplingParams(temperature=[0.5, 1.0, 2.0][i % 3], top_k=[0, 3, 20, 150][i % 4],
+                                     top_p=[1.0, 0.3, 0.9][i % 3 - 1], min_p=[0.0, 0.05, 0.2, 0.6][i // 12]))
+    allowed = [allowed_set(logits[i], p) for i, p in enumerate(params)]
+    seen = [set() for _ in params]
+    torch.manual_seed(3)
+    for _ in range(30):
+        for i, token in enumerate(sample(logits, params).token_ids):
+            assert token in allowed[i], (i, params[i], token, sorted(allowed[i]))
+            seen[i].add(token)
+    assert sum(len(s) > 1 for s in seen) > 24  # rows with room to vary did vary
+
+
+@pytest.mark.parametrize("controls", [{}, {"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.2}, {"top_k": 6, "top_p": 0.9}])
+def test_frequencies_match_the_filtered_tempered_softmax(controls):
+    vocab, draws, temperature = 8, 4000, 0.7
+    row = torch.linspace(-1.0, 1.5, vocab)
+    params = SamplingParams(temperature=temperature, **controls)
+    if not controls:
+        params = SamplingParams(temperature=temperature, seed=None, logprobs=0)  # the general path, no filter
+    torch.manual_seed(123)
+    tokens = sample(row.expand(draws, vocab).contiguous(), [params] * draws).token_ids
+    observed = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+    keep = sorted(allowed_set(row, params))
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    expected[keep] = torch.softmax(row.double()[keep] / temperature, dim=0) * draws
+    assert observed[expected == 0].sum() == 0
+    nonzero = expected > 0
+    chi2 = ((observed[nonzero] - expected[nonzero]) ** 2 / expected[nonzero]).sum().item()
+    assert chi2 < {8: 24.3, 7: 22.5, 6: 20.5, 5: 18.5, 4: 16.3, 3: 13.8, 2: 10.8}[len(keep)], (observed, expected)
+
+
+def test_penalties_follow_vllm_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
+                           [2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    pad = 6
+    prompt = torch.tensor([[0, 1, pad], [3, pad, pad]])
+    output = torch.tensor([[2, 2, 4], [pad, pad, pad]])
+    out = apply_penalties(logits.clone(), prompt, output, repetition=torch.tensor([2.0, 1.0]),
+                          frequency=torch.tensor([0.5, 0.0]), presence=torch.tensor([0.25, 0.0]))
+    # Row 0: seen = {0, 1 (prompt), 2, 4 (output)}; token 2 twice in the output, token 4 once.
+    expected0 = [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 * 2 - 0.25, 3.0, -2.0 * 2 - 0.5 - 0.25, 1.0]
+    assert out[0].tolist() == pytest.approx(expected0)
+    assert torch.equal(out[1], logits[1])  # neutral penalties change nothing
+
+
+def test_penalty_history_is_built_from_the_sequences():
+    params = [SamplingParams(repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=0.5),
+              SamplingParams(temperature=0)]
+    seqs = rows(params, prompt=(0, 1))
+    seqs[0].append_token(2)
+    seqs[0].append_token(2)
+    seqs[1].append_token(5)
+    logits = torch.zeros(2, 6)
+    logits[:, :3] = torch.tensor([1.0, -1.0, 4.0])
+    meta = metadata(seqs, 6)
+    p = meta.penalties
+    out = apply_penalties(logits.clone(), p.prompt_ids, p.output_ids, p.repetition, p.frequency, p.presence)
+    assert out[0, :3].tolist() == pytest.approx([0.5, -2.0, 4.0 / 2 - 0.5 * 2 - 1.0])
+    assert torch.equal(out[1], logits[1])
+    seqs[0].append_token(0)  # the history grows with the sequence
+    assert metadata(seqs, 6).penalties.output_ids[0].tolist()[:5] == [6, 6, 2, 2, 0]
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids():
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4])
+    seq = Sequence([1, 2], params, 16, eos_token_ids={7})
+    logits = torch.zeros(1, 10)
+    logits[0, 7], logits[0, 4], logits[0, 3] = 3.0, 2.0, 1.0
+    assert sample(logits, [params], [seq]).token_ids == [3]
+    seq.append_token(3)
+    assert sample(logits, [params], [seq]).token_ids == [3]
+    seq.append_token(3)
+    assert sample(logits, [params], [seq]).token_ids == [7]  # min_tokens reached
+
+
+def test_seeded_rows_repeat_whatever_else_is_in_the_batch():
+    torch.manual_seed(4)
+    logits = torch.randn(6, 300)
+    seeded = SamplingParams(temperature=1.0, seed=11, top_p=0.95)
+    first = sample(logits[:1], [seeded]).token_ids[0]
+    other_rows = [SamplingParams(), SamplingParams(top_k=4, seed=12), SamplingParams(temperature=0)]
+    for position in range(3):
+        batch = other_rows[:position] + [seeded] + other_rows[position:]
+        mixed = torch.cat([logits[1:1 + position], logits[:1], logits[1 + position:4]])
+        assert sample(mixed, batch).token_ids[position] == first
+    # A sequence's generator carries on across steps: its next draws differ from its first.
+    seq = rows([SamplingParams(temperature=1.0, seed=11)])
+    draws = [sample(torch.zeros(1, 1000), None, seq).token_ids[0] for _ in range(4)]
+    assert len(set(draws)) > 1
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    torch.manual_seed(5)
+    logits = torch.randn(3, 100)
+    params = [SamplingParams(temperature=0.5, logprobs=3, repetition_penalty=1.5, top_k=10),
+              SamplingParams(temperature=0), SamplingParams(logprobs=0)]
+    out = sample(logits, params)
+    reference = torch.log_softmax(logits, dim=-1)
+    for row, (ids, values) in enumerate(out.logprobs):
+        assert ids[0] == out.token_ids[row]
+        assert ids[1:] == reference[row].topk(3).indices.tolist()
+        assert values == pytest.approx(reference[row, ids].tolist(), abs=1e-6)
+    assert all(math.isfinite(v) for _, values in out.logprobs for v in values)
