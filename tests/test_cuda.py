@@ -81,3 +81,18 @@ def test_memory_profiled_pool(tiny_bf16):
     assert used <= 0.5 * total * 1.02  # the pool filled what utilization allowed, not more
     with pytest.raises(RuntimeError, match="no GPU memory left for the KV cache"):
         LLM(tiny_bf16, gpu_memory_utilization=0.001)
+
+
+def test_sampling_controls_on_cuda(tiny_bf16, prompts):
+    """The general sampler path (filters, penalties, seeds, logprobs) mixed with greedy rows, on the GPU."""
+    controlled = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, repetition_penalty=1.2,
+                                presence_penalty=0.5, frequency_penalty=0.3, logprobs=3, max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = [controlled, greedy] * (len(prompts) // 2)
+    with LLM(tiny_bf16, max_model_len=1024) as llm:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts[::-1], params[::-1], use_tqdm=False)[::-1]
+    assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]  # seeds and greedy reproduce
+    for out in first[0::2]:
+        assert len(out["logprobs"]) == 8 and all(len(step) >= 3 for step in out["logprobs"])
+        assert all(lp <= 0 for step in out["logprobs"] for lp in step.values())
