@@ -1,0 +1,49 @@
+"""Host-side cost of a decode step's bookkeeping (Scheduler.schedule + Scheduler.postprocess) at a
+given batch size, with a fake model: pure Python, no GPU. The GPU idles for this long every step
+unless it is overlapped, so it bounds decode throughput at large batch.
+
+    python scripts/bench_host.py --batch 256 --steps 200
+"""
+
+import argparse
+import random
+import time
+
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--prompt-len", type=int, default=600)
+    args = parser.parse_args()
+
+    rng = random.Random(0)
+    scheduler = Scheduler(max_num_seqs=512, max_num_batched_tokens=1 << 30, max_model_len=1 << 20,
+                          num_blocks=args.batch * (args.prompt_len + args.steps + 512) // 256 + 16, block_size=256,
+                          eos_token_ids={0})
+    params = SamplingParams(temperature=0.6, max_tokens=args.steps + 10, ignore_eos=True)
+    for _ in range(args.batch):
+        scheduler.add(Sequence([rng.randrange(1, 10000) for _ in range(args.prompt_len)], params, 256, {0}))
+    seqs, is_prefill = scheduler.schedule()
+    assert is_prefill and len(seqs) == args.batch
+    scheduler.postprocess(seqs, [1] * len(seqs))
+    schedule_s = postprocess_s = 0.0
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        seqs, is_prefill = scheduler.schedule()
+        schedule_s += time.perf_counter() - start
+        tokens = [rng.randrange(1, 10000) for _ in seqs]
+        middle = time.perf_counter()
+        scheduler.postprocess(seqs, tokens)
+        postprocess_s += time.perf_counter() - middle
+        assert not is_prefill and len(seqs) == args.batch
+    print(f"batch {args.batch}: schedule {schedule_s / args.steps * 1e3:.3f} ms/step, "
+          f"postprocess {postprocess_s / args.steps * 1e3:.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
