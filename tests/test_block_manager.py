@@ -214,6 +214,21 @@ def test_hash_collision_with_different_tokens_is_refused(monkeypatch):
     check(bm, [first])
 
 
+def test_hash_collision_with_equal_tokens_after_another_prefix_is_refused(monkeypatch):
+    # With every hash equal, block 0 ([1, 1, 1, 1] at the start) must not also answer for the second
+    # block of [1]*8: same tokens, but after a different prefix.
+    monkeypatch.setattr(bm_module, "block_hash", lambda token_ids, prev_hash=NO_HASH: 42)
+    bm = BlockManager(8, BLOCK_SIZE)
+    first = make_seq([1, 1, 1, 1, 5])
+    admit(bm, first)
+    compute(bm, first)
+    probe = make_seq([1] * 8 + [2])
+    assert bm.cached_prefix(probe) == [0]
+    admit(bm, probe)
+    assert probe.block_table[0] == 0 and bm.blocks[0].ref_count == 2
+    check(bm, [first, probe])
+
+
 def test_planted_hash_entry_with_other_tokens_is_refused():
     bm = BlockManager(8, BLOCK_SIZE)
     first = make_seq([1, 2, 3, 4, 5])

@@ -24,12 +24,13 @@ def block_hash(token_ids: list[int], prev_hash: int = NO_HASH) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "prev_hash", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = NO_HASH
+        self.prev_hash = NO_HASH  # the hash this block's was chained from: identifies its prefix
         self.token_ids: list[int] = []
 
 
@@ -61,11 +62,13 @@ class BlockManager:
         prev = NO_HASH
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block_tokens(i)
-            prev = block_hash(tokens, prev)
-            block_id = self.hash_to_block_id.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:  # miss, or hash collision
+            h = block_hash(tokens, prev)
+            block_id = self.hash_to_block_id.get(h)
+            # A hash collision is refused: the block must hold these tokens after this very prefix.
+            if block_id is None or self.blocks[block_id].token_ids != tokens or self.blocks[block_id].prev_hash != prev:
                 break
             hits.append(block_id)
+            prev = h
         return hits
 
     def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
@@ -113,9 +116,9 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash != NO_HASH:  # reused from the cache: already registered
                 continue
-            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else NO_HASH
+            block.prev_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else NO_HASH
             block.token_ids = seq.block_tokens(i)
-            block.hash = block_hash(block.token_ids, prev)
+            block.hash = block_hash(block.token_ids, block.prev_hash)
             self.hash_to_block_id[block.hash] = block.block_id
 
     def _take_free_block(self) -> int:
@@ -125,7 +128,7 @@ class BlockManager:
         # The block's old content is about to be overwritten: it no longer answers its hash.
         if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
-        block.hash = NO_HASH
+        block.hash = block.prev_hash = NO_HASH
         block.token_ids = []
         block.ref_count = 1
         return block_id
