@@ -70,6 +70,9 @@ class Scheduler:
         return scheduled
 
     def _schedule_decode(self) -> list[Sequence]:
+        # A partially prefilled head of `waiting` always gets the next prefill step, so decode never
+        # runs beside one: preempted sequences can simply go to the head of `waiting`.
+        assert not (self.waiting and self.waiting[0].block_table)
         scheduled: list[Sequence] = []
         bm = self.block_manager
         # Each decode token counts against the token budget too.
@@ -92,11 +95,7 @@ class Scheduler:
         """Recompute preemption: free the blocks, re-prefill (prompt + generated tokens) later."""
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
-        # Behind a partially prefilled head, which holds blocks and must finish first.
-        if self.waiting and self.waiting[0].block_table:
-            self.waiting.insert(1, seq)
-        else:
-            self.waiting.appendleft(seq)
+        self.waiting.appendleft(seq)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Record a step's results: mark KV computed, append sampled tokens, finish sequences.
