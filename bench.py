@@ -18,7 +18,7 @@ from random import randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import LLAMA_3_2_1B, QWEN2_5_0_5B, QWEN3_0_6B, QWEN3_8B, write_random_checkpoint
+from nanovllm.utils.tiny_model import LLAMA_3_2_1B, QWEN2_5_0_5B, QWEN3_0_6B, QWEN3_8B, write_benchmark_checkpoint
 
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 RANDOM_ARCHS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "qwen2.5-0.5b": QWEN2_5_0_5B,
@@ -33,7 +33,7 @@ def resolve_model(path: str | None, arch: str) -> str:
     cached = os.path.expanduser(f"~/.cache/nanovllm/random-{arch}")
     if not os.path.isfile(os.path.join(cached, "config.json")):
         print(f"No checkpoint given: writing a random-weight {arch} checkpoint to {cached} (once)")
-        write_random_checkpoint(cached, RANDOM_ARCHS[arch], dtype="bfloat16")
+        write_benchmark_checkpoint(cached, RANDOM_ARCHS[arch], dtype="bfloat16")
     else:
         print(f"Using the random-weight {arch} checkpoint in {cached}")
     return cached

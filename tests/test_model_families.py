@@ -110,3 +110,22 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 def test_unsupported_features_are_rejected(tmp_path, fields, match):
     with pytest.raises(ValueError, match=match):
         LLM(_write_config(tmp_path, **fields))
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_benchmark_checkpoint_loads_strictly_in_shards(tmp_path, architecture):
+    """bench.py's fast writer (meta-device shapes, tensors drawn one by one) produces exactly the
+    tensors our strict loader expects, across several shards, with a config transformers reads."""
+    from transformers import AutoConfig
+
+    from nanovllm.utils.tiny_model import tiny_qwen3_arch, write_benchmark_checkpoint
+
+    arch = {"architectures": [architecture], **tiny_qwen3_arch(tie_word_embeddings=False)}
+    path = str(tmp_path / "bench-ckpt")
+    write_benchmark_checkpoint(path, arch, dtype="float32", shard_bytes=1 << 16)
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert len(shards) > 3
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=16) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 4
+    assert AutoConfig.from_pretrained(path).architectures == [architecture]

@@ -73,15 +73,8 @@ def write_random_checkpoint(path: str, arch: dict, dtype: str = "float32", seed:
     them if they are loaded wrongly.
     """
     import torch
-    from transformers import GenerationConfig
 
-    os.makedirs(path, exist_ok=True)
-    arch = dict(arch)
-    (architecture,) = arch.pop("architectures", ["Qwen3ForCausalLM"])
-    config_class, model_class = _transformers_classes(architecture)
-    rope = {"rope_type": "default", **arch.pop("rope_scaling", {}), "rope_theta": arch.pop("rope_theta", 1000000.0)}
-    config = config_class(**arch, initializer_range=initializer_range, rope_parameters=rope, bos_token_id=None,
-                          eos_token_id=SPECIAL_TOKENS.index("<|im_end|>") + 256, pad_token_id=256)
+    architecture, config, model_class = _transformers_config(arch, initializer_range)
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = model_class(config)
@@ -91,11 +84,69 @@ def write_random_checkpoint(path: str, arch: dict, dtype: str = "float32", seed:
                     param.normal_(0.0, initializer_range)
         model = model.to(getattr(torch, dtype))
     model.save_pretrained(path)
-    GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=256).save_pretrained(path)
-    if tokenizer:
-        write_byte_tokenizer(path, arch["vocab_size"] if arch["vocab_size"] <= 4096 else TINY_VOCAB_SIZE)
+    _write_companions(path, config, tokenizer)
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["architectures"] == [architecture]
+
+
+def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", seed: int = 0,
+                               initializer_range: float = 0.02, shard_bytes: int = 4 << 30):
+    """Random weights for throughput benchmarks, written without building the model in memory.
+
+    transformers' module tree on the meta device gives every tensor's name and shape; each tensor is
+    then drawn in turn as transformers initializes it (normal(0, initializer_range), norms 1, biases
+    0) directly in `dtype`, and saved in shards of about `shard_bytes`. Minutes faster and tens of GB
+    lighter than write_random_checkpoint for an 8B model; the values do not matter for throughput.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    _, config, model_class = _transformers_config(arch, initializer_range)
+    with torch.device("meta"):
+        shapes = {name: tensor.shape for name, tensor in model_class(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # the head shares the embedding, as save_pretrained writes it
+    torch_dtype = getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(seed)
+    os.makedirs(path, exist_ok=True)
+    shard, size, index = {}, 0, 0
+    for i, (name, shape) in enumerate(shapes.items()):
+        if name.endswith("norm.weight"):
+            shard[name] = torch.ones(shape, dtype=torch_dtype)
+        elif name.endswith(".bias"):
+            shard[name] = torch.zeros(shape, dtype=torch_dtype)
+        else:
+            shard[name] = torch.empty(shape).normal_(0.0, initializer_range, generator=generator).to(torch_dtype)
+        size += shard[name].nbytes
+        if size >= shard_bytes or i == len(shapes) - 1:
+            save_file(shard, os.path.join(path, f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+            shard, size, index = {}, 0, index + 1
+    config.dtype = dtype  # what `dtype="auto"` then runs in
+    config.save_pretrained(path)
+    _write_companions(path, config, tokenizer=True)
+
+
+def _transformers_config(arch: dict, initializer_range: float):
+    """(architecture name, transformers config, transformers model class) for `arch` (config.json fields;
+    `architectures` picks the family, Qwen3 if absent; `rope_theta` and an optional `rope_scaling` dict
+    give the RoPE)."""
+    arch = dict(arch)
+    (architecture,) = arch.pop("architectures", ["Qwen3ForCausalLM"])
+    config_class, model_class = _transformers_classes(architecture)
+    rope = {"rope_type": "default", **arch.pop("rope_scaling", {}), "rope_theta": arch.pop("rope_theta", 1000000.0)}
+    config = config_class(**arch, initializer_range=initializer_range, rope_parameters=rope, bos_token_id=None,
+                          eos_token_id=SPECIAL_TOKENS.index("<|im_end|>") + 256, pad_token_id=256)
+    config.architectures = [architecture]
+    return architecture, config, model_class
+
+
+def _write_companions(path: str, config, tokenizer: bool):
+    """generation_config.json and, if asked, the byte-level tokenizer."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=256).save_pretrained(path)
+    if tokenizer:
+        write_byte_tokenizer(path, config.vocab_size if config.vocab_size <= 4096 else TINY_VOCAB_SIZE)
 
 
 def write_random_qwen3(path: str, arch: dict, dtype: str = "float32", seed: int = 0,
