@@ -15,7 +15,7 @@ DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Generate completions for a few chat prompts.")
+    parser = argparse.ArgumentParser(description="Answer a few chat questions.")
     parser.add_argument("--model", default=None, help=f"checkpoint directory (default {DEFAULT_MODEL})")
     args = parser.parse_args()
 
@@ -27,15 +27,12 @@ def main():
         print(f"No checkpoint at {DEFAULT_MODEL}: using a tiny RANDOM Qwen3 in {model}.\n"
               "Its text is meaningless; it only shows the engine working. Pass --model for real output.\n")
 
+    questions = ["introduce yourself", "list all prime numbers within 100"]
     with LLM(model) as llm:
-        tokenizer = llm.tokenizer
-        questions = ["introduce yourself", "list all prime numbers within 100"]
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                 add_generation_prompt=True) for q in questions]
-        outputs = llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=256))
-    for prompt, output in zip(prompts, outputs):
-        print(f"\nPrompt: {prompt!r}\nCompletion ({output['finish_reason']}): {output['text']!r}")
-
+        outputs = llm.chat([[{"role": "user", "content": q}] for q in questions],
+                           SamplingParams(temperature=0.6, max_tokens=256))
+    for question, output in zip(questions, outputs):
+        print(f"\nQuestion: {question!r}\nAnswer ({output['finish_reason']}): {output['text']!r}")
 
 if __name__ == "__main__":
     main()
