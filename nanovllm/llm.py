@@ -57,14 +57,14 @@ class LLM(LLMEngine):
                 self.step()
                 for index, seq in list(pending.items()):
                     num_tokens, num_chars = sent[index]
-                    if seq.num_completion_tokens == num_tokens and not seq.is_finished:
+                    if seq.num_output_tokens == num_tokens and not seq.is_finished:
                         continue
                     text = seq.detokenizer.text
                     end = len(text) if seq.is_finished else max(num_chars, len(text) - seq.detokenizer.holdback)
-                    sent[index] = (seq.num_completion_tokens, end)
+                    sent[index] = (seq.num_output_tokens, end)
                     if seq.is_finished:
                         del pending[index]
-                    yield StreamOutput(index, text[num_chars:end], seq.token_ids[seq.num_prompt_tokens + num_tokens:],
+                    yield StreamOutput(index, text[num_chars:end], seq.completion_token_ids[num_tokens:],
                                        seq.is_finished, seq.finish_reason, seq.stop_reason)
         finally:
             for seq in pending.values():

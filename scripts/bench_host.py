@@ -30,15 +30,16 @@ def main():
         scheduler.add(Sequence([rng.randrange(1, 10000) for _ in range(args.prompt_len)], params, 256, {0}))
     seqs, is_prefill = scheduler.schedule()
     assert is_prefill and len(seqs) == args.batch
-    scheduler.postprocess(seqs, [1] * len(seqs))
+    scheduler.postprocess(scheduler.commit(seqs, is_prefill), [1] * len(seqs))
     schedule_s = postprocess_s = 0.0
     for _ in range(args.steps):
         start = time.perf_counter()
         seqs, is_prefill = scheduler.schedule()
+        step = scheduler.commit(seqs, is_prefill)
         schedule_s += time.perf_counter() - start
         tokens = [rng.randrange(1, 10000) for _ in seqs]
         middle = time.perf_counter()
-        scheduler.postprocess(seqs, tokens)
+        scheduler.postprocess(step, tokens)
         postprocess_s += time.perf_counter() - middle
         assert not is_prefill and len(seqs) == args.batch
     print(f"batch {args.batch}: schedule {schedule_s / args.steps * 1e3:.3f} ms/step, "

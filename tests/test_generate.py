@@ -3,7 +3,7 @@
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from tests.conftest import NUM_NEW_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
@@ -98,6 +98,8 @@ def test_eos_stops_generation(tiny_model, prompts, hf_reference):
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
         llm.scheduler.eos_token_ids = {eos}
         (out,) = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS), use_tqdm=False)
+        # The step launched before EOS came back is dropped, and its extra block freed with the rest.
+        assert llm.scheduler.block_manager.num_free_blocks == 64
     first = hf_reference[0].index(eos)
     assert out["token_ids"] == hf_reference[0][:first + 1]
     assert out["finish_reason"] == "stop"
@@ -110,3 +112,33 @@ def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_refe
         outputs = llm.generate(prompts[:6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [ref[:8] for ref in hf_reference[:6]]
+
+
+def count_inflight_inputs(llm) -> list[tuple[int, int]]:
+    """Spy on decode input preparation: (inputs still in flight, batch size) of each decode step."""
+    counts = []
+    prepare = llm.model_runner.prepare_decode
+
+    def spy(seqs):
+        counts.append((sum(seq.scheduled_token_ids()[0] == PLACEHOLDER for seq in seqs), len(seqs)))
+        return prepare(seqs)
+
+    llm.model_runner.prepare_decode = spy
+    return counts
+
+
+def test_decode_is_launched_before_the_previous_tokens_reach_the_host(tiny_model, prompts, hf_reference):
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        counts = count_inflight_inputs(llm)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == hf_reference
+    # Every decode input is the previous step's token, read on the device.
+    assert counts and all(inflight == batch for inflight, batch in counts)
+
+
+def test_penalties_wait_for_the_previous_tokens(tiny_model, prompts):
+    penalised = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        counts = count_inflight_inputs(llm)
+        llm.generate(prompts[:3], penalised, use_tqdm=False)
+    assert counts and all(inflight == 0 for inflight, _ in counts)

@@ -2,6 +2,7 @@
 top-k / top-p / min-p and the penalties, greedy rows in mixed batches, seeds, raw logprobs."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,9 +25,12 @@ def rows(params: list[SamplingParams], prompt=(1, 2, 3)) -> list[Sequence]:
     return [Sequence(list(prompt), p, block_size=16) for p in params]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], seqs=None):
+def sample(logits: torch.Tensor, params: list[SamplingParams], seqs=None) -> SimpleNamespace:
+    """Sampled token ids as a list, and per row (ids, log-probabilities) lists when asked."""
     seqs = seqs or rows(params)
-    return Sampler()(logits.clone(), metadata(seqs, logits.shape[1]))
+    out = Sampler()(logits.clone(), metadata(seqs, logits.shape[1]))
+    logprobs = None if out.logprobs is None else list(zip(out.logprob_token_ids.tolist(), out.logprobs.tolist()))
+    return SimpleNamespace(token_ids=out.token_ids.tolist(), logprobs=logprobs)
 
 
 def allowed_set(row: torch.Tensor, p: SamplingParams) -> set[int]:

@@ -52,7 +52,7 @@ def step(sched: Scheduler, model=fake_token) -> Step:
     cached = [seq.num_cached_tokens for seq in seqs]
     preempted = [seq for seq in was_running if seq in sched.waiting]
     tokens = [model(seq) for seq in seqs if seq.completes_prefill]
-    finished = sched.postprocess(seqs, tokens)
+    finished = sched.postprocess(sched.commit(seqs, is_prefill), tokens)
     sched.block_manager.check_integrity(live(sched))
     return Step(is_prefill, scheduled, cached, preempted, finished)
 

@@ -2,7 +2,9 @@
 
 The fake model samples a deterministic pseudo-random token for (request, position), so a request's
 output does not depend on scheduling, and it plays the KV cache: each slot holds the prefix whose last
-token it encodes, so a step that reads a stale, foreign or missing slot fails.
+token it encodes, so a step that reads a stale, foreign or missing slot fails. Workloads run both
+synchronously and pipelined as the engine runs them (step N + 1 committed before step N's tokens are
+postprocessed), where the model computes with the true tokens that the placeholders stand for.
 """
 
 import random
@@ -13,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.block_manager import NO_HASH, block_hash
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
@@ -88,10 +90,16 @@ class FakeModel:
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block id, offset) -> prefix
         self.prefixes: dict[int, list[tuple[int, ...]]] = {}  # seq_id -> token_ids[:p + 1] for each p
 
+    def true_token(self, seq: Sequence, position: int) -> int:
+        """The token at `position`, whether or not the host knows it yet."""
+        request = self.request_of[seq.seq_id]
+        prompt = self.workload.requests[request].prompt
+        return prompt[position] if position < len(prompt) else self.workload.token(request, position)
+
     def prefix(self, seq: Sequence, position: int) -> tuple[int, ...]:
         prefixes = self.prefixes.setdefault(seq.seq_id, [])
         while len(prefixes) <= position:
-            prefixes.append(tuple(seq.token_ids[:len(prefixes) + 1]))
+            prefixes.append((*(prefixes[-1] if prefixes else ()), self.true_token(seq, len(prefixes))))
         return prefixes[position]
 
     def slot(self, seq: Sequence, position: int) -> tuple[int, int]:
@@ -123,21 +131,24 @@ class HashChains:
 
     def update(self, seq: Sequence) -> list[int]:
         chain = self.chains.setdefault(seq.seq_id, [])
-        while (len(chain) + 1) * self.block_size <= seq.num_tokens:
+        while (len(chain) + 1) * self.block_size <= seq.num_tokens - seq.num_inflight:
             tokens = seq.block_tokens(len(chain))
             chain.append(block_hash(tokens, chain[-1] if chain else NO_HASH))
             self.tokens_of[chain[-1]] = tokens
         return chain
 
 
-def check_pool(scheduler: Scheduler, seqs: list[Sequence], chains: HashChains):
+def check_pool(scheduler: Scheduler, seqs: list[Sequence], chains: HashChains, launched: CommittedStep | None):
+    """`launched`: a committed step not yet postprocessed, whose blocks need not be hashed yet."""
     bm = scheduler.block_manager
+    in_flight = dict(zip(map(id, launched.seqs), launched.num_cached_before)) if launched else {}
     live = list(scheduler.waiting) + list(scheduler.running)
     bm.check_integrity(live)
     assert bm.num_free_blocks + sum(block.ref_count > 0 for block in bm.blocks) == bm.num_blocks
     for seq in seqs:
         chain = chains.update(seq)
-        for i in range(seq.num_cached_tokens // bm.block_size):  # every full computed block is hashed
+        computed = min(in_flight.get(id(seq), seq.num_cached_tokens), seq.num_cached_tokens)
+        for i in range(computed // bm.block_size):  # every full computed block is hashed
             block = bm.blocks[seq.block_table[i]]
             assert block.hash == chain[i] and block.token_ids == seq.block_tokens(i), (seq.seq_id, i)
     for h, block_id in bm.hash_to_block_id.items():
@@ -145,7 +156,7 @@ def check_pool(scheduler: Scheduler, seqs: list[Sequence], chains: HashChains):
 
 
 def check_step(scheduler: Scheduler, seqs: list[Sequence], is_prefill: bool, waiting: list, running: list):
-    assert seqs, "nothing scheduled while requests are pending"
+    """`waiting` and `running` as they were before `schedule`."""
     assert len(seqs) <= scheduler.max_num_seqs and len(scheduler.running) <= scheduler.max_num_seqs
     if is_prefill:  # the head of waiting, in order; those that complete their prefill join running
         assert seqs == waiting[:len(seqs)]
@@ -155,20 +166,24 @@ def check_step(scheduler: Scheduler, seqs: list[Sequence], is_prefill: bool, wai
         assert list(scheduler.waiting) == waiting[len(done):]
         if len(done) < len(seqs):  # chunked: only a lone first sequence, cut at the budget
             assert len(seqs) == 1 and seqs[0].num_scheduled_tokens == scheduler.max_num_batched_tokens
-    else:  # the head of running decodes (one token each, within both budgets); the rest waits its
-        # turn in running, except victims preempted from the tail to the head of waiting
+    else:  # the head of running decodes (one token each, within both budgets), skipping those whose
+        # last token is in flight; the rest waits its turn in running, except victims preempted from
+        # the tail to the head of waiting
         assert len(seqs) <= min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         assert all(seq.num_scheduled_tokens == 1 and seq.completes_prefill for seq in seqs)
-        rest = list(scheduler.running)[len(seqs):]
-        assert list(scheduler.running) == running[:len(seqs) + len(rest)] and running[:len(seqs)] == seqs
-        if rest:  # stopped by a budget, not by running out of sequences
+        done = [seq.num_completion_tokens >= seq.max_tokens for seq in running]
+        visited = next((i + 1 for i, seq in enumerate(running) if seqs and seq is seqs[-1]), 0)
+        assert seqs == [seq for seq, d in zip(running[:visited], done[:visited]) if not d]
+        rest = list(scheduler.running)[visited:]
+        assert list(scheduler.running) == running[:visited + len(rest)]
+        if rest and not all(done[visited:visited + len(rest)]):  # stopped by a budget
             assert len(seqs) == min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-        victims = running[len(seqs) + len(rest):]
+        victims = running[visited + len(rest):]
         assert list(scheduler.waiting) == victims + waiting
         assert all(seq.status == SequenceStatus.WAITING and not seq.block_table for seq in victims)
 
 
-def run_workload(workload: Workload):
+def run_workload(workload: Workload, pipelined: bool):
     scheduler = Scheduler(workload.max_num_seqs, workload.max_num_batched_tokens, workload.max_model_len,
                           workload.num_blocks, workload.block_size, {EOS})
     model = FakeModel(workload, scheduler)
@@ -193,20 +208,30 @@ def run_workload(workload: Workload):
     pending = deque(sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival))
     max_steps = 50 * sum(len(req.prompt) + req.max_tokens for req in workload.requests)
     step = 0
-    while pending or not scheduler.is_finished():
-        while pending and (workload.requests[pending[0]].arrival <= step or scheduler.is_finished()):
+    inflight = None  # (committed step, its tokens) not yet postprocessed
+    while pending or not scheduler.is_finished() or inflight is not None:
+        while pending and (workload.requests[pending[0]].arrival <= step or
+                           (scheduler.is_finished() and inflight is None)):
             submit(pending.popleft())
-        if scheduler.is_finished():
+        if scheduler.is_finished() and inflight is None:
             continue
         assert step < max_steps, "a request starves"
         waiting, running = list(scheduler.waiting), list(scheduler.running)
         seqs, is_prefill = scheduler.schedule()
-        check_step(scheduler, seqs, is_prefill, waiting, running)
-        finished = scheduler.postprocess(seqs, model.run(seqs))
-        for seq in finished:
-            assert seq.status == SequenceStatus.FINISHED and not seq.block_table
-            assert seq not in scheduler.running
-        check_pool(scheduler, list(accepted.values()), chains)
+        assert seqs or inflight is not None, "nothing scheduled while requests are pending"
+        launched = None
+        if seqs:
+            check_step(scheduler, seqs, is_prefill, waiting, running)
+            tokens = model.run(seqs)
+            launched = (scheduler.commit(seqs, is_prefill), tokens)
+        if not pipelined:
+            inflight, launched = launched, None
+        if inflight is not None:
+            for seq in scheduler.postprocess(*inflight):
+                assert seq.status == SequenceStatus.FINISHED and not seq.block_table and not seq.num_inflight
+                assert seq not in scheduler.running
+            check_pool(scheduler, list(accepted.values()), chains, launched and launched[0])
+        inflight = launched
         step += 1
 
     for index, seq in accepted.items():
@@ -216,6 +241,6 @@ def run_workload(workload: Workload):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_workloads_keep_the_pool_consistent_and_produce_the_model_tokens(workload):
-    run_workload(workload)
+@given(workloads(), st.booleans())
+def test_random_workloads_keep_the_pool_consistent_and_produce_the_model_tokens(workload, pipelined):
+    run_workload(workload, pipelined)

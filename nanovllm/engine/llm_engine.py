@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.model_runner import ModelRunner, free_port, run_worker
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.model_runner import ModelRunner, PendingOutput, free_port, run_worker
+from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerDiedError
 from nanovllm.sampling_params import SamplingParams
@@ -22,6 +22,8 @@ from nanovllm.sampling_params import SamplingParams
 
 @dataclass
 class StepResult:
+    """What the steps completed by one `LLMEngine.step` call produced."""
+
     finished: list[Sequence]
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -37,6 +39,7 @@ class LLMEngine:
         self.processes = []
         self.channel = None
         self.model_runner = None
+        self.inflight: tuple[CommittedStep, PendingOutput | None] | None = None  # launched, not postprocessed
         atexit.register(self.exit)
         self._exited = False
         try:
@@ -72,14 +75,20 @@ class LLMEngine:
             return
         self._exited = True
         atexit.unregister(self.exit)
+        self.inflight = None
+        worker_died = False
         try:
             if self.model_runner is not None:
                 self.model_runner.call("exit")
         except WorkerDiedError:
-            pass  # the survivors are stopped below
+            worker_died = True  # the survivors are stopped below
         finally:
             if dist.is_initialized():  # start-up failed midway, or a worker died
-                dist.destroy_process_group()
+                if worker_died and dist.get_backend() == "nccl":
+                    # NCCL kernels waiting for the dead rank never return: abort them.
+                    dist.distributed_c10d._abort_process_group()
+                else:
+                    dist.destroy_process_group()
             for process in self.processes:
                 process.join(timeout=10)
                 if process.is_alive():
@@ -156,14 +165,25 @@ class LLMEngine:
         return self.scheduler.is_finished()
 
     def step(self) -> StepResult:
+        """Schedule and launch a step, then postprocess the previous one while the GPU runs the new
+        one, so the GPU never waits for the host's bookkeeping. The new step takes tokens sampled by
+        the previous one from the device; only a step with penalties, which read token values on the
+        host, is postprocessed before the next is scheduled."""
         self._check_alive()
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            raise RuntimeError("the scheduler could not schedule any request (internal error)")
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        sampled = [seq for seq in seqs if seq.completes_prefill] if is_prefill else seqs  # those getting a token
+        completed = []
         try:
-            output = self.model_runner.call("run", seqs, is_prefill)
+            if self.inflight is not None and self.inflight[0].needs_tokens_on_host:
+                completed.append(self._postprocess_inflight())
+            seqs, is_prefill = self.scheduler.schedule()
+            launched = None
+            if seqs:
+                pending = self.model_runner.call("run", seqs, is_prefill)
+                launched = (self.scheduler.commit(seqs, is_prefill), pending)
+            elif self.inflight is None and not completed:
+                raise RuntimeError("the scheduler could not schedule any request (internal error)")
+            if self.inflight is not None:
+                completed.append(self._postprocess_inflight())
+            self.inflight = launched
         except BaseException as error:
             # A failed step leaves the ranks out of step: release everything. If a worker died,
             # say so rather than surfacing the collective's connection error.
@@ -172,24 +192,39 @@ class LLMEngine:
             if died is not None and died is not error:
                 raise died from error
             raise
-        finished = self.scheduler.postprocess(seqs, output.token_ids)
-        if output.logprobs is not None:
-            for seq, (ids, logprobs) in zip(sampled, output.logprobs):
+        finished = [seq for _, seqs in completed for seq in seqs]
+        prefill = sum(step.num_tokens for step, _ in completed if step.is_prefill)
+        decode = sum(step.num_tokens for step, _ in completed if not step.is_prefill)
+        return StepResult(finished, prefill, decode)
+
+    def _postprocess_inflight(self) -> tuple[CommittedStep, list[Sequence]]:
+        """Wait for the in-flight step's tokens and hand them to the sequences; returns the step and
+        the sequences it finished."""
+        step, pending = self.inflight
+        self.inflight = None
+        output = pending.result() if pending is not None else None
+        token_ids = output.token_ids.tolist() if output is not None else []
+        alive = [not seq.is_finished for seq in step.sampled]  # the others finished after launching it
+        finished = self.scheduler.postprocess(step, token_ids)
+        if output is not None and output.logprobs is not None:
+            for seq, live, ids, logprobs in zip(step.sampled, alive, output.logprob_token_ids.tolist(),
+                                                output.logprobs.tolist()):
                 n = seq.sampling_params.logprobs
-                if n is not None:  # ids: the sampled token, then the top N of the row asking the most
+                if live and n is not None:  # ids: the sampled token, then the top N of the row asking the most
                     seq.logprobs.append({ids[0]: logprobs[0], **dict(zip(ids[1:n + 1], logprobs[1:n + 1]))})
                     seq.cumulative_logprob += logprobs[0]
-        finished += self._detokenize(sampled)
-        return StepResult(finished, num_tokens if is_prefill else 0, 0 if is_prefill else num_tokens)
+        finished += self._detokenize([(seq, token) for seq, live, token in zip(step.sampled, alive, token_ids)
+                                      if live])
+        return step, finished
 
-    def _detokenize(self, sampled: list[Sequence]) -> list[Sequence]:
+    def _detokenize(self, sampled: list[tuple[Sequence, int]]) -> list[Sequence]:
         """Give each new token to its sequence's detokenizer; finish the sequences whose stop string
         appeared and return them."""
         finished = []
-        for seq in sampled:
+        for seq, token_id in sampled:
             if seq.detokenizer is None:
                 continue
-            stop = seq.detokenizer.update(seq.last_token, seq.is_finished, stop_terminated=seq.finish_reason == "stop")
+            stop = seq.detokenizer.update(token_id, seq.is_finished, stop_terminated=seq.finish_reason == "stop")
             if stop is None:
                 continue
             if seq.is_finished:  # by length or a stop id in the same token: the stop string wins, as in vLLM
@@ -214,7 +249,7 @@ class LLMEngine:
             elapsed = time.perf_counter() - start
             if result.num_prefill_tokens:
                 prefill_rate = result.num_prefill_tokens / elapsed
-            else:
+            if result.num_decode_tokens:
                 decode_rate = result.num_decode_tokens / elapsed
             pbar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s", refresh=False)
             for seq in result.finished:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerEnd
 from nanovllm.layers.attention import AttentionMetadata
 from nanovllm.layers.sampler import Sampler, SamplerOutput
@@ -25,6 +25,7 @@ from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
 
 CPU_KV_CACHE_BYTES = 2 << 30  # KV pool budget on CPU when num_kvcache_blocks is not given
+WORKER_CHECK_SECONDS = 0.01  # while rank 0 waits for a step, how often it checks that the workers live
 
 
 def free_port() -> int:
@@ -82,6 +83,10 @@ class ModelRunner:
         self.num_kv_heads = hf.num_key_value_heads // self.world_size
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        # The last step's sampled tokens, left on the device (and on every rank): the next step may be
+        # launched before they reach the host, and then takes its input tokens from here.
+        self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.last_token_rows: dict[int, int] = {}  # seq_id -> row in last_tokens
         self.graphs = None
         if is_cuda and not config.enforce_eager:
             self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq)
@@ -220,8 +225,9 @@ class ModelRunner:
                 self._to_device(np.asarray(sample_rows, dtype=np.int64)))
 
     def prepare_decode(self, seqs: list[Sequence]):
-        """One token per sequence: its last token at position len - 1."""
-        input_ids = np.array([seq.scheduled_token_ids()[0] for seq in seqs], dtype=np.int64)
+        """One token per sequence: its last token at position len - 1. A last token still in flight
+        (a placeholder) is the previous step's sampled token, read on the device."""
+        token_ids = np.array([seq.scheduled_token_ids()[0] for seq in seqs], dtype=np.int64)
         positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
         last_blocks = np.array([seq.block_table[-1] for seq in seqs], dtype=np.int64)
         slots = last_blocks * self.block_size + positions % self.block_size
@@ -231,15 +237,22 @@ class ModelRunner:
             context_lens=self._to_device((positions + 1).astype(np.int32)),
             block_tables=self._to_device(self._block_tables(seqs)),
         )
-        return self._to_device(input_ids), self._to_device(positions), meta
+        input_ids = self._to_device(token_ids)
+        inflight = np.flatnonzero(token_ids == PLACEHOLDER)
+        if inflight.size:
+            rows = np.array([self.last_token_rows[seqs[i].seq_id] for i in inflight], dtype=np.int64)
+            input_ids[self._to_device(inflight)] = self.last_tokens[self._to_device(rows)]
+        return input_ids, self._to_device(positions), meta
 
     # ---- the step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput | None:
-        """Compute one step; on rank 0 return a sampled token per sequence that completes its prefill
-        (every sequence in decode)."""
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> "PendingOutput | None":
+        """Launch one step without waiting for it. On rank 0, return its sampled tokens (one per
+        sequence that completes its prefill; every sequence in decode) on their way to the host."""
         if is_prefill:
+            # Prefill chunks hold no placeholder: a preempted sequence is re-prefilled only after the
+            # step that sampled its last token has been postprocessed.
             input_ids, positions, meta, sample_rows = self.prepare_prefill(seqs)
             hidden = self.model(input_ids, positions, meta)[sample_rows]
             sampling_seqs = [seq for seq in seqs if seq.completes_prefill]
@@ -251,10 +264,45 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, meta)
             sampling_seqs = seqs
         logits = self.model.compute_logits(hidden)
-        if self.rank != 0 or not sampling_seqs:
-            return None if self.rank != 0 else SamplerOutput([])
-        meta = build_sampling_metadata(sampling_seqs, logits.shape[1], self.device, self._to_device)
-        return self.sampler(logits, meta)
+        if not sampling_seqs:
+            return None
+        if self.rank == 0:
+            output = self.sampler(logits, build_sampling_metadata(sampling_seqs, logits.shape[1], self.device,
+                                                                  self._to_device))
+            tokens = output.token_ids
+        else:
+            tokens = torch.empty(len(sampling_seqs), dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            dist.broadcast(tokens, src=0)
+        self.last_tokens = tokens
+        self.last_token_rows = {seq.seq_id: row for row, seq in enumerate(sampling_seqs)}
+        return PendingOutput(output, self.channel) if self.rank == 0 else None
+
+
+class PendingOutput:
+    """A step's sampled tokens, copied to the host behind the step's GPU work."""
+
+    def __init__(self, output: SamplerOutput, channel: ShmChannel | None):
+        self.output = output.to_host()
+        self.event = None
+        if output.token_ids.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.channel = channel
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copies. With workers, keep checking they live: one that died leaves rank 0's
+        NCCL collectives, hence this step, waiting forever."""
+        if self.event is not None:
+            if self.channel is None:
+                self.event.synchronize()
+            else:
+                next_check = time.monotonic() + WORKER_CHECK_SECONDS
+                while not self.event.query():  # spin: a step takes milliseconds
+                    if time.monotonic() > next_check:
+                        self.channel.check_workers_alive()
+                        next_check = time.monotonic() + WORKER_CHECK_SECONDS
+        return self.output
 
 
 def _dummy_sequence(num_tokens: int, block_size: int) -> Sequence:

@@ -1,9 +1,31 @@
-"""Decides which sequences run in each step: all prefill, or all decode. Plain Python over ints."""
+"""Decides which sequences run in each step: all prefill, or all decode. Plain Python over ints.
+
+A step goes through three calls: `schedule` picks it, `commit` records that it was launched (cached
+counts advance, a placeholder stands for each token it will sample), `postprocess` takes its sampled
+tokens. The engine commits step N + 1 before postprocessing step N, so scheduling counts in-flight
+tokens as if known: only their values come later.
+"""
 
 from collections import deque
+from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class CommittedStep:
+    seqs: list[Sequence]
+    is_prefill: bool
+    sampled: list[Sequence]  # the sequences that get a token from this step, in row order
+    num_cached_before: list[int]  # each sequence's num_cached_tokens when the step was scheduled
+    num_tokens: int  # tokens computed
+
+    @property
+    def needs_tokens_on_host(self) -> bool:
+        """Penalties read a sequence's token values when its next step is prepared, so that step may
+        not be scheduled before this one's tokens are back."""
+        return any(seq.sampling_params.uses_penalties for seq in self.sampled)
 
 
 class Scheduler:
@@ -74,10 +96,14 @@ class Scheduler:
         # runs beside one: preempted sequences can simply go to the head of `waiting`.
         assert not (self.waiting and self.waiting[0].block_table)
         scheduled: list[Sequence] = []
+        visited: list[Sequence] = []  # scheduled, or skipped because their last token is in flight
         bm = self.block_manager
         # Each decode token counts against the token budget too.
         while self.running and len(scheduled) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
+            if seq.num_completion_tokens >= seq.max_tokens:  # finishes when its in-flight tokens are back
+                visited.append(seq)
+                continue
             while not bm.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -88,7 +114,8 @@ class Scheduler:
                 bm.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+                visited.append(seq)
+        self.running.extendleft(reversed(visited))
         return scheduled
 
     def _preempt(self, seq: Sequence):
@@ -97,36 +124,47 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Record a step's results: mark KV computed, append sampled tokens, finish sequences.
-
-        `token_ids` holds one token per sequence whose prefill was complete (every sequence in decode).
-        Returns the sequences that finished in this step.
-        """
-        finished = []
-        tokens = iter(token_ids)
+    def commit(self, seqs: list[Sequence], is_prefill: bool) -> CommittedStep:
+        """The scheduled step has been launched: its chunks count as cached from now on (the GPU
+        computes them in launch order), and each sequence it samples for holds a placeholder."""
+        step = CommittedStep(seqs, is_prefill, [seq for seq in seqs if seq.completes_prefill],
+                             [seq.num_cached_tokens for seq in seqs], sum(seq.num_scheduled_tokens for seq in seqs))
         for seq in seqs:
-            sampled = seq.completes_prefill
-            before = seq.num_cached_tokens
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.register_computed_blocks(seq, before)
-            if not sampled:
+        for seq in step.sampled:
+            seq.append_placeholder()
+        return step
+
+    def postprocess(self, step: CommittedStep, token_ids: list[int]) -> list[Sequence]:
+        """Take a committed step's sampled tokens (one per `step.sampled`, in order): resolve the
+        placeholders, hash the blocks it completed, finish sequences. Returns those that finished.
+
+        A sequence that finished or was preempted after this step was launched ignores it: its
+        token is dropped, or (preempted) kept for the re-prefill, but its freed blocks are not hashed.
+        """
+        finished = []
+        for seq, token_id in zip(step.sampled, token_ids, strict=True):
+            if seq.is_finished:
                 continue
-            token_id = next(tokens)
-            seq.append_token(token_id)
+            seq.resolve_token(token_id)
             # EOS and stop ids end a sequence only after min_tokens tokens (the sampler holds them back).
-            may_stop = seq.num_completion_tokens > seq.min_tokens
+            num_generated = seq.num_output_tokens
+            may_stop = num_generated > seq.min_tokens
             if may_stop and not seq.ignore_eos and token_id in self.eos_token_ids:
                 self.finish(seq, "stop")
             elif may_stop and token_id in seq.stop_token_ids:
                 self.finish(seq, "stop", stop_reason=token_id)
-            elif seq.num_completion_tokens >= seq.max_tokens:
+            elif num_generated >= seq.max_tokens:
                 self.finish(seq, "length")
             else:
                 continue
             finished.append(seq)
-        assert next(tokens, None) is None, "more sampled tokens than sequences that completed prefill"
+        # After resolving: a block the next (already launched) step completes may end with this
+        # step's token. Every token below num_cached_tokens is known now.
+        for seq, before in zip(step.seqs, step.num_cached_before):
+            if seq.block_table and not seq.is_finished:
+                self.block_manager.register_computed_blocks(seq, before)
         return finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
@@ -134,5 +172,6 @@ class Scheduler:
         free its blocks and drop it from the queues."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.drop_inflight()
         self.block_manager.deallocate(seq)
         (self.running if seq in self.running else self.waiting).remove(seq)

@@ -7,6 +7,9 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
+# Stands in token_ids for a token sampled by a step still running on the GPU (see Sequence.num_inflight).
+PLACEHOLDER = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -27,6 +30,9 @@ class Sequence:
         self.block_size = block_size
         self.num_cached_tokens = 0  # tokens whose KV is in the cache and valid
         self.num_scheduled_tokens = 0  # tokens this step computes, from num_cached_tokens on
+        # Trailing PLACEHOLDERs in token_ids: tokens of launched steps whose results are not back yet.
+        # They count in num_tokens (their KV slots are planned like any other) until resolved.
+        self.num_inflight = 0
         self.block_table: list[int] = []
         # Sampling and stopping (rank 0 only: never pickled for the workers).
         self.sampling_params = sampling_params
@@ -57,16 +63,18 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def num_completion_tokens(self) -> int:
+        """Generated tokens, those still in flight included."""
         return self.num_tokens - self.num_prompt_tokens
 
     @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens whose values are known."""
+        return self.num_completion_tokens - self.num_inflight
+
+    @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:self.num_tokens - self.num_inflight]
 
     @property
     def num_blocks(self) -> int:
@@ -88,6 +96,22 @@ class Sequence:
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
         self.num_tokens += 1
+
+    def append_placeholder(self):
+        """A launched step will sample this sequence's next token."""
+        self.append_token(PLACEHOLDER)
+        self.num_inflight += 1
+
+    def resolve_token(self, token_id: int):
+        """The oldest in-flight token is `token_id` (steps complete in launch order)."""
+        self.token_ids[self.num_tokens - self.num_inflight] = token_id
+        self.num_inflight -= 1
+
+    def drop_inflight(self):
+        """Forget tokens still in flight (the sequence finished before they came back)."""
+        self.num_tokens -= self.num_inflight
+        del self.token_ids[self.num_tokens:]
+        self.num_inflight = 0
 
     # Worker ranks need only the tokens this step computes: one during decode, the chunk during
     # (re-)prefill. Everything else they need is counts and the block table.

@@ -88,11 +88,24 @@ class SamplingMetadata:
 
 @dataclass(slots=True)
 class SamplerOutput:
-    """One step's results on the host, an entry per row."""
+    """One step's results, a row per sampled sequence: on the device as the Sampler returns them, on
+    the host after `to_host`."""
 
-    token_ids: list[int]
-    # Per row when logprobs were asked for: ([sampled id, top-1 id, ..., top-N id], their log-probabilities).
-    logprobs: list[tuple[list[int], list[float]]] | None = None
+    token_ids: torch.Tensor  # [rows] int64
+    # When logprobs were asked for: the sampled id, then the top N ids of each row ([rows, 1 + N]), and
+    # their log-probabilities (float32).
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+
+    def to_host(self) -> "SamplerOutput":
+        """Copies in host memory, pinned and queued without waiting when on CUDA: read them only once
+        the stream has passed this point."""
+        def copy(tensor):
+            if tensor is None or not tensor.is_cuda:
+                return tensor
+            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
+
+        return SamplerOutput(copy(self.token_ids), copy(self.logprob_token_ids), copy(self.logprobs))
 
 
 def sample_with_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -119,7 +132,8 @@ def sample_with_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: [rows, vocab] (modified in place) -> a token per row, plus log-probabilities if asked."""
+        """logits: [rows, vocab] (modified in place) -> a token per row, plus log-probabilities if asked,
+        on the device: nothing here waits for the GPU."""
         # Log-probabilities of the model's raw logits, before penalties, temperature and filtering, as
         # vLLM returns by default (logprobs_mode="raw_logprobs").
         logprobs = None if meta.num_logprobs is None else torch.log_softmax(logits.float(), dim=-1)
@@ -133,6 +147,6 @@ class Sampler(nn.Module):
         else:
             tokens = sample_torch(logits, meta.temperatures)
         if logprobs is None:
-            return SamplerOutput(tokens.tolist())
+            return SamplerOutput(tokens)
         ids = torch.cat([tokens.unsqueeze(1), logprobs.topk(meta.num_logprobs, dim=-1).indices], dim=1)  # [rows, 1+N]
-        return SamplerOutput(tokens.tolist(), list(zip(ids.tolist(), logprobs.gather(1, ids).tolist())))
+        return SamplerOutput(tokens, ids, logprobs.gather(1, ids))
