@@ -76,9 +76,11 @@ class LLMEngine:
         self._exited = True
         atexit.unregister(self.exit)
         self.inflight = None
-        worker_died = False
+        worker_died = self.channel is not None and self.channel.dead_worker_error() is not None
         try:
-            if self.model_runner is not None:
+            if worker_died:  # no orderly exit: it would synchronize with GPU work that never ends (below)
+                self.model_runner = None
+            elif self.model_runner is not None:
                 self.model_runner.call("exit")
         except WorkerDiedError:
             worker_died = True  # the survivors are stopped below
