@@ -195,3 +195,18 @@ def test_decode_backend_matches_reference(backend):
     tol = 2e-2 if on_gpu else 1e-4
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
+
+@needs_cuda
+def test_fp8_engine_on_cuda(tiny_model, prompts):
+    """kv_cache_dtype="fp8" picks the Triton kernels on CUDA; decode replayed from CUDA graphs reads the
+    cache and its scales exactly like eager decode."""
+    from nanovllm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        with LLM(tiny_model, kv_cache_dtype="fp8", enforce_eager=eager, max_num_seqs=20, kvcache_block_size=16,
+                 num_kvcache_blocks=64, max_model_len=512) as llm:
+            assert llm.config.attention_backend == "triton"
+            tokens[eager] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert tokens[True] == tokens[False]
