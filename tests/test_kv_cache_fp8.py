@@ -1,5 +1,6 @@
-"""kv_cache_dtype="fp8" through the engine on the tiny model (CPU, torch backend): the pool size, the
-exactness of the quantized path, and its error against the model-dtype cache."""
+"""kv_cache_dtype="fp8" through the engine on the tiny model (CPU, torch backend, also on a GPU
+machine): the pool size, the exactness of the quantized path, and its error against the model-dtype
+cache."""
 
 import pytest
 import torch
@@ -12,14 +13,14 @@ from nanovllm.utils.tiny_model import write_tiny_qwen3
 from tests.conftest import NUM_NEW_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=20)
-OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+OPTIONS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
 
 
 def test_fp8_resolves_to_a_backend_that_reads_it(tiny_model):
-    config = Config(tiny_model, kv_cache_dtype="fp8")
+    config = Config(tiny_model, device="cpu", kv_cache_dtype="fp8")
     assert config.attention_backend == "torch"  # CPU; on CUDA "triton" (tests/test_attention.py)
     assert config.kv_cache_torch_dtype == torch.float8_e4m3fn
-    assert Config(tiny_model).kv_cache_torch_dtype == torch.float32
+    assert Config(tiny_model, device="cpu").kv_cache_torch_dtype == torch.float32
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_fp8_pool_holds_about_twice_the_tokens(tiny_model, tiny_model_head_dim_1
     path = tiny_model if head_dim == 16 else tiny_model_head_dim_128
     blocks = {}
     for kv_cache_dtype in ("auto", "fp8"):
-        with LLM(path, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kvcache_block_size=16) as llm:
+        with LLM(path, device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kvcache_block_size=16) as llm:
             blocks[kv_cache_dtype] = llm.num_kvcache_blocks
     # 2 layers, 2 KV heads, 16 tokens a block, K and V: bf16 values, or fp8 values + a float32 scale
     assert blocks["auto"] == budget // (2 * 2 * 16 * 2 * head_dim * 2)
