@@ -3,6 +3,7 @@
     python bench.py                       # 256 requests, prompts/outputs uniform in 100..1024 tokens
     python bench.py --single-stream       # one request: time to first token, then decode tok/s
     python bench.py --model DIR --tensor-parallel-size 2 --attention-backend triton
+    python bench.py --kv-cache-dtype fp8  # fp8 KV cache (Triton kernels): twice the tokens in the pool
     python bench.py --mixed-sampling      # sampler step time at batch 256: every control vs temperature only
 
 Without --model and without ~/huggingface/Qwen3-0.6B, a random-weight checkpoint with Qwen3-0.6B's
@@ -161,6 +162,7 @@ def main():
                         help="architecture of the random checkpoint written when no model is given")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--runs", type=int, default=2, help="timed runs in one process (the first warms up)")
     parser.add_argument("--single-stream", action="store_true", help="one request instead of the batch workload")
@@ -179,9 +181,10 @@ def main():
         return
     model = resolve_model(args.model, args.random_arch)
     with LLM(model, max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
-             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager) as llm:
-        print(f"KV pool: {llm.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens, "
-              f"backend {llm.config.attention_backend}, tp {args.tensor_parallel_size}")
+             attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+             enforce_eager=args.enforce_eager) as llm:
+        print(f"KV pool: {llm.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens "
+              f"({args.kv_cache_dtype}), backend {llm.config.attention_backend}, tp {args.tensor_parallel_size}")
         if args.profile:
             profile_decode(llm, 1)
             profile_decode(llm, 256)

@@ -14,6 +14,7 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto = the model dtype; fp8 = e4m3 with a scale per token and kv head
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     hf_config: object = field(init=False, repr=False)
 
     @classmethod
@@ -62,7 +64,8 @@ class Config:
             raise TypeError(f"gpu_memory_utilization must be a float, got {self.gpu_memory_utilization!r}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS)):
+        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}")
@@ -112,8 +115,17 @@ class Config:
         if self.attention_backend == "auto":
             if self.device == "cpu":
                 self.attention_backend = "torch"
+            elif self.kv_cache_dtype == "fp8":
+                self.attention_backend = "triton"
             else:
                 self.attention_backend = _cuda_default_backend(head_dim(self.hf_config))
+        if self.kv_cache_dtype == "fp8":
+            if self.attention_backend == "flash_attn":
+                raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' (or 'torch'): "
+                                 "flash-attn cannot read an fp8 KV cache")
+            if self.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+                raise ValueError(f"kv_cache_dtype='fp8' needs a GPU with fp8 support (compute capability >= 8.9), "
+                                 f"got {torch.cuda.get_device_capability()}")
         if self.attention_backend == "flash_attn":
             if self.device != "cuda":
                 raise ValueError("attention_backend='flash_attn' needs device='cuda'")
@@ -126,6 +138,12 @@ class Config:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_cache_torch_dtype(self):
+        import torch
+
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype
 
 
 def _cuda_default_backend(head_dim: int) -> str:

@@ -3,12 +3,18 @@ flash-attn when it is importable.
 
     python scripts/bench_attention.py            # decode grid + prefill shapes (~1-2 min)
     python scripts/bench_attention.py --sweep    # also sweep decode/prefill launch configs
+    python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
 
 Qwen3-0.6B attention heads (H=16, KVH=8, D=128), bf16, 256-token pages, randomly permuted blocks.
 Times are medians of triton.testing.do_bench over CUDA-graph replays (GPU time without host launch
 overhead; do_bench flushes L2 between runs). Decode bandwidth counts
 the K/V bytes of all context tokens plus q and out. The table is printed and, if $OUT is set, written
 to $OUT/bench_attention.txt.
+
+With --kv-cache-dtype fp8 the Triton kernels read the cache quantized as the engine stores it (e4m3
+plus a float32 scale per token and KV head; bandwidth counts both), flash-attn still reads the bf16
+cache (it cannot read fp8): tri/fa compares the two engine configurations, err_ref is against the
+dequantized cache and err_fa includes the quantization error.
 """
 
 import argparse
@@ -21,11 +27,18 @@ import torch
 import triton
 from triton.testing import do_bench
 
-# Load the kernels module by path: it needs only torch + triton, the rest of the package may not import.
-_path = pathlib.Path(__file__).resolve().parents[1] / "nanovllm" / "layers" / "triton_attention.py"
-_spec = importlib.util.spec_from_file_location("triton_attention", _path)
-ta = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ta)
+
+def _load_layer(name):
+    """Load a layers module by path: the kernels need only torch + triton, the package may not import."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "nanovllm" / "layers" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ta = _load_layer("triton_attention")
+attention = _load_layer("attention")  # quantize_fp8
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -81,13 +94,32 @@ def copy_bandwidth():
 
 
 class Cache:
-    """One paged K/V cache large enough for the biggest shape; each shape takes random blocks of it."""
+    """One paged K/V cache large enough for the biggest shape; each shape takes random blocks of it.
 
-    def __init__(self, max_tokens):
+    k, v: the bf16 cache (flash-attn's). kv, scales: what the Triton kernels read, the same cache or,
+    with fp8, its quantization (kv) and the k_scale / v_scale arguments (scales)."""
+
+    def __init__(self, max_tokens, fp8=False):
         self.num_blocks = triton.cdiv(max_tokens, PAGE) + 16
         shape = (self.num_blocks, PAGE, KVH, D)
         self.k = torch.randn(shape, dtype=DTYPE, device=DEV)
         self.v = torch.randn(shape, dtype=DTYPE, device=DEV)
+        self.kv, self.scales = (self.k, self.v), {}
+        if fp8:
+            (k8, k_scale), (v8, v_scale) = attention.quantize_fp8(self.k), attention.quantize_fp8(self.v)
+            self.kv, self.scales = (k8, v8), dict(k_scale=k_scale, v_scale=v_scale)
+        self.kind = "fp8" if fp8 else "bf16"
+        self.token_bytes = 2 * KVH * (D * self.kv[0].element_size() + 4 * fp8)  # K and V of one token
+
+    def tokens(self, table, ctx):
+        """K, V [ctx, KVH, D] float32 of a sequence's first ctx tokens, as the Triton kernels see them."""
+        tok = torch.arange(ctx, device=DEV)
+        blocks, offsets = table[tok // PAGE].long(), tok % PAGE
+        k, v = (x[blocks, offsets].float() for x in self.kv)
+        if self.scales:
+            k *= self.scales["k_scale"][blocks, offsets][..., None]
+            v *= self.scales["v_scale"][blocks, offsets][..., None]
+        return k, v
 
     def tables(self, batch, ctx):
         pages = triton.cdiv(ctx, PAGE)
@@ -99,9 +131,7 @@ def reference(q, cache, table, ctx):
     """float32 attention of q [n_q, H, D] at the last n_q of ctx positions of one sequence."""
     n_q = q.shape[0]
     tok = torch.arange(ctx, device=DEV)
-    blocks = table[tok // PAGE].long()
-    k = cache.k[blocks, tok % PAGE].float().repeat_interleave(H // KVH, 1)
-    v = cache.v[blocks, tok % PAGE].float().repeat_interleave(H // KVH, 1)
+    k, v = (x.repeat_interleave(H // KVH, 1) for x in cache.tokens(table, ctx))
     s = torch.einsum("qhd,khd->hqk", q.float(), k) * SCALE
     pos = ctx - n_q + torch.arange(n_q, device=DEV)
     s.masked_fill_(tok[None, None, :] > pos[None, :, None], float("-inf"))
@@ -114,18 +144,19 @@ def decode_inputs(cache, batch, ctx):
     return q, cache.tables(batch, ctx), lens
 
 
-def decode_bytes(batch, ctx):
-    return (2 * batch * ctx * KVH * D + 2 * batch * H * D) * DTYPE.itemsize
+def decode_bytes(batch, ctx, token_bytes=2 * KVH * D * DTYPE.itemsize):
+    """K/V of all context tokens (token_bytes each; default: bf16) plus q and out."""
+    return batch * ctx * token_bytes + 2 * batch * H * D * DTYPE.itemsize
 
 
 def decode_row(cache, batch, ctx, copy_bw):
     q, tables, lens = decode_inputs(cache, batch, ctx)
-    fn = lambda: ta.paged_decode_attention(q, cache.k, cache.v, tables, lens, SCALE)
+    fn = lambda: ta.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales)
     out = fn()
     err_ref = max((out[b].float() - reference(q[b:b + 1], cache, tables[b], ctx)[0]).abs().max().item()
                   for b in sorted({0, batch // 2, batch - 1}))
     t = bench(fn)
-    bw = decode_bytes(batch, ctx) / (t * 1e-3)
+    bw = decode_bytes(batch, ctx, cache.token_bytes) / (t * 1e-3)
     splits = ta._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
     fa_cols, err_fa = f"{'-':>8} {'-':>7} {'-':>6}", "-"
     if flash_attn_with_kvcache is not None:
@@ -139,7 +170,7 @@ def decode_row(cache, batch, ctx, copy_bw):
 
 
 def run_decode(cache, copy_bw):
-    emit(f"== decode: H={H} KVH={KVH} D={D} bf16 page={PAGE}; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    emit(f"== decode: H={H} KVH={KVH} D={D} {cache.kind} page={PAGE}; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     emit(f"{'B':>4} {'ctx':>5} {'splits':>6} {'triton_us':>9} {'TB/s':>5} {'%copy':>5} "
          f"{'fa_us':>8} {'fa_TB/s':>7} {'tri/fa':>6} {'err_ref':>8} {'err_fa':>8}")
     for batch in BATCHES:
@@ -163,7 +194,8 @@ def prefill_flops(n_seq, prefix, n_q):
 
 def prefill_row(cache, name, n_seq, prefix, n_q, config):
     q, tables, cu_q, cu_k, lens = prefill_inputs(cache, n_seq, prefix, n_q)
-    fn = lambda: ta.paged_prefill_attention(q, cache.k, cache.v, tables, cu_q, lens, n_q, SCALE, **config)
+    fn = lambda: ta.paged_prefill_attention(q, *cache.kv, tables, cu_q, lens, n_q, SCALE, **cache.scales,
+                                            **config)
     out = fn()
     err_ref = max((out[b * n_q:(b + 1) * n_q].float()
                    - reference(q[b * n_q:(b + 1) * n_q], cache, tables[b], prefix + n_q)).abs().max().item()
@@ -181,7 +213,7 @@ def prefill_row(cache, name, n_seq, prefix, n_q, config):
 
 
 def run_prefill(cache, **config):
-    emit(f"== prefill: H={H} KVH={KVH} D={D} bf16 page={PAGE} {config or ''}")
+    emit(f"== prefill: H={H} KVH={KVH} D={D} {cache.kind} page={PAGE} {config or ''}")
     emit(f"{'shape':>12} {'triton_us':>9} {'TFLOP/s':>7} {'fa_us':>8} {'fa_TFLOP/s':>10} {'tri/fa':>6} "
          f"{'err_ref':>8} {'err_fa':>8}")
     for shape in PREFILL_SHAPES:
@@ -199,11 +231,11 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw):
     default = ta._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
 
     def tbps(bn, w, s, splits):
-        fn = lambda: ta.paged_decode_attention(q, cache.k, cache.v, tables, lens, SCALE,
+        fn = lambda: ta.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales,
                                                num_splits=splits, block_n=bn, num_warps=w, num_stages=s)
         try:
             fn()
-            return decode_bytes(batch, ctx) / (bench(fn, quick=True) * 1e-3) / 1e12
+            return decode_bytes(batch, ctx, cache.token_bytes) / (bench(fn, quick=True) * 1e-3) / 1e12
         except Exception as e:  # e.g. out of shared memory
             return type(e).__name__
 
@@ -241,6 +273,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the cache the Triton kernels read: bf16 (auto) or fp8 + per-token scales")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
@@ -249,7 +283,7 @@ def main():
     emit(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
          f"flash_attn: {fa}")
     copy_bw = copy_bandwidth()
-    cache = Cache(max(BATCHES) * max(CONTEXTS))
+    cache = Cache(max(BATCHES) * max(CONTEXTS), fp8=args.kv_cache_dtype == "fp8")
     run_decode(cache, copy_bw)
     run_prefill(cache)
     if args.sweep:

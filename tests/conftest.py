@@ -10,6 +10,27 @@ from nanovllm.utils.tiny_model import write_tiny_qwen3  # imports no Triton kern
 # before any kernel is defined, i.e. before the test modules import nanovllm.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _round_to_fp8_like_the_gpu():
+    """Triton's interpreter (3.6 to 3.9 at least) rounds float32 to fp8 e4m3 by incrementing the 3-bit
+    mantissa without carrying into the exponent: 126.9 becomes 64, not 128. Convert through torch,
+    which rounds to nearest even like the GPU's cvt.rn, so the fp8 KV store can be tested on CPU."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def fixed(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+            return torch.tensor(input, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = fixed
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _round_to_fp8_like_the_gpu()
 # The tiny model's ops are far too small to gain from intra-op threads; one thread also keeps
 # timings steady when tensor-parallel worker processes share the cores.
 torch.set_num_threads(1)

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from nanovllm.layers.attention import (
+    Attention,
     AttentionMetadata,
     flash_attention,
+    quantize_fp8,
     store_kvcache_torch,
     store_kvcache_triton,
     torch_attention,
@@ -40,6 +42,39 @@ def test_store_kernel_matches_indexed_copy(num_kv_heads, head_dim):
     torch.testing.assert_close(caches[1], caches[3], equal_nan=True)
     written = caches[0].view(-1, num_kv_heads, head_dim)[slots[slots >= 0]]
     torch.testing.assert_close(written, key[slots >= 0])
+
+
+@pytest.mark.parametrize("store", [store_kvcache_triton, store_kvcache_torch], ids=["triton", "torch"])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 16), (3, 8), (8, 128)])
+def test_fp8_store_never_saturates(store, num_kv_heads, head_dim):
+    torch.manual_seed(0)
+    num_blocks, block_size, num_tokens = 6, 16, 20
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, device=DEVICE)
+    kv *= 10.0 ** torch.randint(-6, 9, (num_tokens, 2, num_kv_heads, 1), device=DEVICE)  # 1e-6 .. 1e8 per head
+    kv[0, :, 0] = 0  # an all-zero head
+    key, value = kv[:, 0], kv[:, 1]
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slots[3] = slots[11] = -1  # padding rows write nothing
+    shape = (num_blocks, block_size, num_kv_heads)
+    caches = [torch.full((*shape, head_dim), float("nan"), device=DEVICE).to(torch.float8_e4m3fn) for _ in range(2)]
+    scales = [torch.full(shape, float("nan"), device=DEVICE) for _ in range(2)]
+    store(key, value, *caches, slots, *scales)
+    valid = slots >= 0
+    for x, cache, scale in zip((key, value), caches, scales):
+        cache, scale = cache.view(-1, num_kv_heads, head_dim).float(), scale.view(-1, num_kv_heads)
+        assert cache[slots[valid]].isfinite().all() and scale[slots[valid]].isfinite().all()
+        unwritten = torch.ones(len(cache), dtype=torch.bool, device=DEVICE)
+        unwritten[slots[valid]] = False
+        assert cache[unwritten].isnan().all() and scale[unwritten].isnan().all()
+        x, cache, scale = x[valid], cache[slots[valid]], scale[slots[valid]]  # [tokens, heads, (dim)]
+        amax = x.abs().amax(-1)
+        torch.testing.assert_close(scale, amax.clamp(min=1e-12) / 448, rtol=1e-6, atol=0)
+        assert (cache.abs().amax(-1)[amax > 0] == 448).all()  # each head's largest value uses the full range
+        # e4m3 rounding: half an ulp is |y| / 16 in the normal range (y = x / scale in [-448, 448]),
+        # 2**-10 among subnormals; so at most amax / 28 (half of ulp 32 at the top of the range).
+        error = (cache * scale[..., None] - x).abs()
+        assert (error <= torch.maximum(x.abs() / 16, scale[..., None] / 1024) * (1 + 1e-5)).all()
+        assert (error <= amax[..., None] / 28 * (1 + 1e-5)).all()
 
 
 def make_paged_step(prompt_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, is_prefill=True):
@@ -97,6 +132,34 @@ def test_torch_reference_matches_dense_attention():
         torch.testing.assert_close(out[starts[i]:starts[i + 1]].double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_torch_reference_reads_an_fp8_cache():
+    q, k, v, k_cache, v_cache, meta = make_paged_step([5, 19, 1], [0, 16, 0], 4, 2, 8, 4, torch.float32)
+    (k8, k_scale), (v8, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
+    out = torch_attention(q, k, v, k8, v8, meta, 0.3, k_scale, v_scale)
+    dequantized = [x.float() * s[..., None] for x, s in ((k8, k_scale), (v8, v_scale))]
+    torch.testing.assert_close(out, torch_attention(q, k, v, *dequantized, meta, 0.3), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("is_prefill,cached_lens", [(True, [0, 0, 0]), (True, [32, 16, 0]), (False, [39, 18, 0])])
+def test_fp8_layer_triton_matches_torch(is_prefill, cached_lens):
+    """The Attention layer on an fp8 cache: Triton store + kernels vs torch store + reference, and both
+    vs attention over the unquantized cache."""
+    lens = [40, 19, 1]
+    q, k, v, k_cache, v_cache, meta = make_paged_step(lens, cached_lens, 4, 2, 16, 16, torch.float32, is_prefill)
+    (k8, k_scale), (v8, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)  # the cached prefix
+    for x in (k8, v8, k_scale, v_scale):  # the step's slots hold only what the layer's store writes
+        x.view(-1, *x.shape[2:])[meta.slot_mapping] = float("nan")
+    outs = {}
+    for backend in ("triton", "torch"):
+        layer = Attention(4, 16, 0.25, 2, backend)
+        layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = (x.clone() for x in (k8, v8, k_scale, v_scale))
+        outs[backend] = layer(q, k, v, meta)
+    torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-4, atol=1e-4)
+    exact = torch_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    # e4m3 keeps 4 significant bits: N(0, 1) values are off by up to amax / 28 ~ 0.1; measured 0.06.
+    assert (outs["torch"] - exact).abs().max() < 0.15
+
+
 BACKENDS = [pytest.param(triton_attention, id="triton"),
             pytest.param(flash_attention, id="flash_attn", marks=[needs_cuda, pytest.mark.skipif(
                 not _has_flash_attn(), reason="flash-attn not installed")])]
@@ -131,3 +194,19 @@ def test_decode_backend_matches_reference(backend):
     out = backend(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
     tol = 2e-2 if on_gpu else 1e-4
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@needs_cuda
+def test_fp8_engine_on_cuda(tiny_model, prompts):
+    """kv_cache_dtype="fp8" picks the Triton kernels on CUDA; decode replayed from CUDA graphs reads the
+    cache and its scales exactly like eager decode."""
+    from nanovllm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        with LLM(tiny_model, kv_cache_dtype="fp8", enforce_eager=eager, max_num_seqs=20, kvcache_block_size=16,
+                 num_kvcache_blocks=64, max_model_len=512) as llm:
+            assert llm.config.attention_backend == "triton"
+            tokens[eager] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert tokens[True] == tokens[False]

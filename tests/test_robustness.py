@@ -103,6 +103,9 @@ def test_no_safetensors(tiny_model, tmp_path):
     ({"tensor_parallel_size": 3}, ValueError, "tensor_parallel_size=3 does not divide num_attention_heads=4"),
     ({"device": "tpu"}, ValueError, "device='tpu' is not one of"),
     ({"attention_backend": "flash_attn", "device": "cpu"}, ValueError, "needs device='cuda'"),
+    ({"kv_cache_dtype": "fp16"}, ValueError, r"kv_cache_dtype='fp16' is not one of \('auto', 'fp8'\)"),
+    ({"kv_cache_dtype": "fp8", "attention_backend": "flash_attn"}, ValueError,
+     "kv_cache_dtype='fp8' needs attention_backend='triton' .* flash-attn cannot read an fp8 KV cache"),
 ])
 def test_bad_options(tiny_model, options, error, message):
     with pytest.raises(error, match=message):

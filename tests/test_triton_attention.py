@@ -17,6 +17,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from nanovllm.layers import triton_attention as ta  # noqa: E402
+from nanovllm.layers.attention import quantize_fp8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -50,6 +51,14 @@ def make_cache(context_lens, block_size, kvh, d, dtype=torch.float32, spare_bloc
     return (k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE), lens.to(DEVICE))
 
 
+def fp8_cache(k_cache, v_cache):
+    """The caches quantized as the KV store writes them (NaN slots stay NaN): fp8 k, v, their scales
+    as kernel kwargs, and the dequantized float64 k, v the reference reads."""
+    (k8, k_scale), (v8, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
+    dequantized = [x.double() * s[..., None].double() for x, s in ((k8, k_scale), (v8, v_scale))]
+    return k8, v8, dict(k_scale=k_scale, v_scale=v_scale), *dequantized
+
+
 def reference(q, k_cache, v_cache, table, ctx, scale):
     """Attention of q [n_q, H, D] (the last n_q positions of ctx keys) in float64: [n_q, H, D]."""
     n_q, h, _ = q.shape
@@ -64,13 +73,17 @@ def reference(q, k_cache, v_cache, table, ctx, scale):
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
 
 
-def run_decode(context_lens, block_size, h, kvh, d, dtype=torch.float32, **kwargs):
+def run_decode(context_lens, block_size, h, kvh, d, dtype=torch.float32, fp8=False, **kwargs):
     k_cache, v_cache, tables, lens = make_cache(context_lens, block_size, kvh, d, dtype)
+    ref_k, ref_v = k_cache, v_cache
+    if fp8:  # the kernel reads the quantized cache, the reference its dequantized values
+        k_cache, v_cache, scales, ref_k, ref_v = fp8_cache(k_cache, v_cache)
+        kwargs.update(scales)
     q = torch.randn(len(context_lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     out = torch.full_like(q, float("nan"))
     scale = d ** -0.5
     ta.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, **kwargs)
-    refs = [reference(q[b:b + 1], k_cache, v_cache, tables[b], n, scale)[0] if n > 0 else None
+    refs = [reference(q[b:b + 1], ref_k, ref_v, tables[b], n, scale)[0] if n > 0 else None
             for b, n in enumerate(context_lens)]
     return q, (k_cache, v_cache, tables, lens, scale), out, refs
 
@@ -123,14 +136,18 @@ def test_decode_num_splits_heuristic():
     assert ta._decode_num_splits(64, 8, 4096, dev) == 1
 
 
-def run_prefill(context_lens, q_lens, block_size, h, kvh, d, dtype=torch.float32, **kwargs):
+def run_prefill(context_lens, q_lens, block_size, h, kvh, d, dtype=torch.float32, fp8=False, **kwargs):
     k_cache, v_cache, tables, lens = make_cache(context_lens, block_size, kvh, d, dtype)
+    ref_k, ref_v = k_cache, v_cache
+    if fp8:
+        k_cache, v_cache, scales, ref_k, ref_v = fp8_cache(k_cache, v_cache)
+        kwargs.update(scales)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q = torch.randn(sum(q_lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     out = torch.full_like(q, float("nan"))
     scale = d ** -0.5
     ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, max(q_lens), scale, out=out, **kwargs)
-    ref = torch.cat([reference(q[cu[b]:cu[b + 1]], k_cache, v_cache, tables[b], n, scale)
+    ref = torch.cat([reference(q[cu[b]:cu[b + 1]], ref_k, ref_v, tables[b], n, scale)
                      for b, n in enumerate(context_lens)])
     return q, (k_cache, v_cache, tables, cu, lens, scale), out, ref
 
@@ -153,6 +170,31 @@ def test_prefill(block_size, h, kvh, d, context_lens, q_lens):
 def test_prefill_tiles(block_m, block_n):
     # many query tiles: fully visible, diagonal and skipped KV tiles, tiles spanning pages
     _, _, out, ref = run_prefill([150, 61], [90, 61], 32, 4, 2, 16, block_m=block_m, block_n=block_n)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "block_size,h,kvh,d,context_lens,num_splits,block_n",
+    [
+        (16, 4, 4, 32, [1, 15, 16, 17, 33], 1, None),  # MHA, around block boundaries, tiles span pages
+        (32, 8, 2, 16, [1, 31, 32, 33, 0, 300], 4, 16),  # GQA 4, split-K, a padding row, 2 tiles per page
+        (16, 16, 8, 16, [40, 7], None, None),  # Qwen3-0.6B head layout
+    ],
+)
+def test_decode_fp8(block_size, h, kvh, d, context_lens, num_splits, block_n):
+    check_decode(context_lens, block_size, h, kvh, d, num_splits=num_splits, block_n=block_n, fp8=True)
+
+
+@pytest.mark.parametrize(
+    "block_size,h,kvh,d,context_lens,q_lens",
+    [
+        (16, 4, 2, 32, [1, 17, 40, 16], [1, 17, 40, 16]),  # plain prefill, varlen
+        (32, 4, 4, 32, [50, 300, 33], [10, 44, 1]),  # cached prefix + chunk
+        (16, 16, 8, 16, [70, 24], [30, 24]),  # Qwen3-0.6B head layout
+    ],
+)
+def test_prefill_fp8(block_size, h, kvh, d, context_lens, q_lens):
+    _, _, out, ref = run_prefill(context_lens, q_lens, block_size, h, kvh, d, fp8=True, block_m=16, block_n=32)
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -185,3 +227,22 @@ def test_prefill_bf16_qwen3():
     fa = flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cu, cu_k, max(q_lens), max(lens),
                                            softmax_scale=scale, causal=True, block_table=tables)
     torch.testing.assert_close(out, fa, atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+def test_fp8_bf16_qwen3():
+    """fp8 cache at Qwen3-0.6B shapes, bf16 queries: against the reference on the dequantized cache, and
+    within the quantization error of the bf16 kernel on the unquantized cache."""
+    lens = [1, 255, 256, 257, 4000, 0, 1024]
+    _, _, fp8, refs = run_decode(lens, dtype=torch.bfloat16, fp8=True, **QWEN3)
+    _, _, exact, _ = run_decode(lens, dtype=torch.bfloat16, **QWEN3)
+    for b, ref in enumerate(refs):
+        if ref is not None:
+            torch.testing.assert_close(fp8[b].double(), ref, atol=2e-2, rtol=2e-2)
+    # N(0, 1) K/V: 0.12 at most in float64 (V rounded by up to amax / 28 for context 1)
+    assert (fp8.float() - exact.float()).abs().max() < 0.2
+    lens, q_lens = [1000, 2048, 300], [1000, 512, 1]
+    _, _, fp8, ref = run_prefill(lens, q_lens, dtype=torch.bfloat16, fp8=True, **QWEN3)
+    torch.testing.assert_close(fp8.double(), ref, atol=2e-2, rtol=2e-2)
+    _, _, exact, _ = run_prefill(lens, q_lens, dtype=torch.bfloat16, **QWEN3)
+    assert (fp8.float() - exact.float()).abs().max() < 0.2

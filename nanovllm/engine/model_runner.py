@@ -120,7 +120,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
-        self.model = self.kv_cache = None  # free the GPU memory even if the engine object lives on
+        self.model = self.kv_cache = self.kv_scales = None  # free the GPU memory even if the engine object lives on
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -129,10 +129,13 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------------
 
     def _allocate_kv_cache(self) -> int:
-        """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views."""
+        """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views;
+        with an fp8 cache also the scales, [2, layers, blocks, block_size, kv_heads] float32."""
         hf = self.config.hf_config
-        block_bytes = (2 * hf.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim
-                       * self.dtype.itemsize)
+        cache_dtype = self.config.kv_cache_torch_dtype
+        fp8 = cache_dtype == torch.float8_e4m3fn
+        token_bytes = self.num_kv_heads * (self.head_dim * cache_dtype.itemsize + (4 if fp8 else 0))
+        block_bytes = 2 * hf.num_hidden_layers * self.block_size * token_bytes
         if self.config.num_kvcache_blocks > 0:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -148,11 +151,14 @@ class ModelRunner:
                 f"no GPU memory left for the KV cache (one block of {self.block_size} tokens needs "
                 f"{block_bytes / 2**20:.1f} MiB) at gpu_memory_utilization={self.config.gpu_memory_utilization}; "
                 f"raise it or lower max_num_batched_tokens / max_num_seqs")
-        self.kv_cache = torch.empty(2, hf.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+        shape = (2, hf.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads)
+        self.kv_cache = torch.empty(*shape, self.head_dim, dtype=cache_dtype, device=self.device)
+        self.kv_scales = torch.empty(shape, dtype=torch.float32, device=self.device) if fp8 else None
         attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         for i, layer in enumerate(attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if fp8:
+                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
         return num_blocks
 
     def _profile_free_memory(self) -> int:

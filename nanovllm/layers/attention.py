@@ -3,6 +3,11 @@
 Each layer's K/V cache is [num_blocks, block_size, num_kv_heads, head_dim]; token slot s lives at
 block s // block_size, offset s % block_size. A step first writes its new K/V into the cache, then
 attends over the cache (or, for prefill without cached prefix on flash-attn, over the new K/V).
+
+With kv_cache_dtype="fp8" the caches are float8_e4m3fn and each layer also has k_scale, v_scale
+[num_blocks, block_size, num_kv_heads] float32: a token's head x is stored as x / s with
+s = amax(|x|) / 448, so its largest element maps to e4m3's largest finite value and none saturates,
+whatever their magnitude. Only the Triton and torch backends read such a cache.
 """
 
 from collections.abc import Callable
@@ -12,6 +17,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import nn
+
+# Constexprs, so the store kernel may read them; `.value` in torch code.
+FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
+FP8_MIN_AMAX = tl.constexpr(1e-12)  # an all-zero head still gets a positive scale
 
 
 @dataclass
@@ -30,8 +39,20 @@ class AttentionMetadata:
 
 
 @triton.jit
+def _quantize_fp8(x, scale_ptr, slot, D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """x: one token's K or V, [BLOCK_D] = heads of HEAD_DIM flattened (D valid). Stores each head's
+    scale at scale_ptr[slot, head] and returns x / scale in fp8, as quantize_fp8 computes it."""
+    heads = tl.reshape(x.to(tl.float32), (BLOCK_D // HEAD_DIM, HEAD_DIM))
+    scale = tl.maximum(tl.max(tl.abs(heads), 1), FP8_MIN_AMAX) / FP8_MAX  # [BLOCK_D // HEAD_DIM]
+    h = tl.arange(0, BLOCK_D // HEAD_DIM)
+    tl.store(scale_ptr + slot * (D // HEAD_DIM) + h, scale, mask=h < D // HEAD_DIM)
+    return tl.reshape(heads / scale[:, None], (BLOCK_D,)).to(tl.float8e4nv)
+
+
+@triton.jit
 def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
-                          slot_mapping_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                          k_scale_ptr, v_scale_ptr, slot_mapping_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot == -1:
@@ -40,30 +61,62 @@ def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_
     mask = offsets < D
     key = tl.load(key_ptr + token * key_stride + offsets, mask=mask)
     value = tl.load(value_ptr + token * value_stride + offsets, mask=mask)
+    if FP8:
+        key = _quantize_fp8(key, k_scale_ptr, slot, D, BLOCK_D, HEAD_DIM)
+        value = _quantize_fp8(value, v_scale_ptr, slot, D, BLOCK_D, HEAD_DIM)
     tl.store(k_cache_ptr + slot * D + offsets, key, mask=mask)
     tl.store(v_cache_ptr + slot * D + offsets, value, mask=mask)
 
 
-def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, slot_mapping: torch.Tensor):
-    """One program per token copies its K and V ([num_kv_heads * head_dim] each) into its slot."""
+def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None):
+    """One program per token copies its K and V ([num_kv_heads * head_dim] each) into its slot; into an
+    fp8 cache quantized, with the scales written to k_scale, v_scale."""
     num_tokens, num_kv_heads, head_dim = key.shape
     d = num_kv_heads * head_dim
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and key.stride(1) == head_dim
     assert value.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
-    _store_kvcache_kernel[(num_tokens,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache,
-                                         slot_mapping, d, triton.next_power_of_2(d))
+    assert fp8 == (k_scale is not None), "an fp8 cache comes with its scales"
+    if fp8:
+        assert k_scale.is_contiguous() and v_scale.is_contiguous() and head_dim & (head_dim - 1) == 0
+    else:
+        k_scale, v_scale = k_cache, v_cache  # unused
+    _store_kvcache_kernel[(num_tokens,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache, k_scale,
+                                         v_scale, slot_mapping, d, triton.next_power_of_2(d), head_dim, fp8)
 
 
-def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (x / scale as float8_e4m3fn, float32 scale [...]), scale = amax(|x|) / 448."""
+    x = x.float()
+    scale = x.abs().amax(-1).clamp(min=FP8_MIN_AMAX.value) / FP8_MAX.value
+    return (x / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None):
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *key.shape[1:])[slots] = key[valid]
-    v_cache.view(-1, *value.shape[1:])[slots] = value[valid]
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        x = x[valid]  # [tokens, kv_heads, head_dim]
+        if scales is not None:  # fp8 cache
+            x, token_scales = quantize_fp8(x)
+            scales.view(-1, x.size(1))[slots] = token_scales
+        cache.view(-1, *x.shape[1:])[slots] = x
 
 
-def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _gather(cache, scales, blocks, num_keys) -> torch.Tensor:
+    """The first num_keys tokens of the cache blocks `blocks`, float32 (dequantized if fp8): [keys, kv_heads, dim]."""
+    x = cache[blocks].flatten(0, 1)[:num_keys].float()
+    if scales is not None:
+        x *= scales[blocks].flatten(0, 1)[:num_keys, :, None]
+    return x
+
+
+def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    k_scale=None, v_scale=None) -> torch.Tensor:
     """Reference: per sequence, gather its keys through the block table; causal softmax; GQA by repeat."""
     num_seqs = meta.context_lens.numel()
     if meta.is_prefill:
@@ -76,20 +129,22 @@ def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     for i, num_keys in enumerate(meta.context_lens.tolist()):
         start, end = query_starts[i], query_starts[i + 1]
         blocks = meta.block_tables[i, :(num_keys + block_size - 1) // block_size].long()
-        keys = k_cache[blocks].flatten(0, 1)[:num_keys].repeat_interleave(group, dim=1)  # [keys, heads, dim]
-        values = v_cache[blocks].flatten(0, 1)[:num_keys].repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys.float()) * scale
+        keys = _gather(k_cache, k_scale, blocks, num_keys).repeat_interleave(group, dim=1)  # [keys, heads, dim]
+        values = _gather(v_cache, v_scale, blocks, num_keys).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
         # Query j sits at position num_keys - num_queries + j and sees keys up to that position.
         query_pos = torch.arange(num_keys - (end - start), num_keys, device=q.device)
         mask = torch.arange(num_keys, device=q.device)[None, :] > query_pos[:, None]
         probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
 
 
-def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    k_scale=None, v_scale=None) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+    assert k_scale is None, "flash-attn cannot read an fp8 cache (Config rejects it)"
     if not meta.is_prefill:
         return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
                                        block_table=meta.block_tables, softmax_scale=scale, causal=True).squeeze(1)
@@ -101,13 +156,15 @@ def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
                                   softmax_scale=scale, causal=True, block_table=block_table)
 
 
-def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                     k_scale=None, v_scale=None) -> torch.Tensor:
     from nanovllm.layers.triton_attention import paged_decode_attention, paged_prefill_attention
 
     if not meta.is_prefill:
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                      k_scale=k_scale, v_scale=v_scale)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                   meta.max_seqlen_q, scale)
+                                   meta.max_seqlen_q, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 BACKENDS: dict[str, Callable] = {"torch": torch_attention, "flash_attn": flash_attention, "triton": triton_attention}
@@ -122,8 +179,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.attend = BACKENDS[backend]
         self.store = store_kvcache_torch if backend == "torch" else store_kvcache_triton
-        # Set by the ModelRunner to this layer's views of the KV pool.
+        # Set by the ModelRunner to this layer's views of the KV pool (the scales only for an fp8 cache).
         self.k_cache = self.v_cache = torch.tensor([])
+        self.k_scale = self.v_scale = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
@@ -131,6 +189,6 @@ class Attention(nn.Module):
             # Memory-profiling run before the pool exists: attention's workspace is negligible next
             # to the activations measured, so its output is not computed.
             return torch.zeros_like(q)
-        self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return self.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
 

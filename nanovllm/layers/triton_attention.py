@@ -5,8 +5,11 @@ contiguous). Token t of sequence b lives in block block_tables[b, t // block_siz
 t % block_size. The softmax runs in the log2 domain (exp2, with scale * log2(e) folded into the
 logits) and accumulates in float32.
 
-fp8 KV cache (not implemented): K/V tiles are loaded only in `_load_kv`; a per-tensor k/v scale can
-be applied there, or folded into the logit scale (k) and the output (v).
+fp8 KV cache: k_cache, v_cache are float8_e4m3fn and k_scale, v_scale [num_blocks, block_size,
+num_kv_heads] float32 hold each token's per-head scale (cached value = x / scale, see
+attention.quantize_fp8). The scales are applied where they cost least: key j's logits are multiplied
+by k_scale[j] (q . (s k) = s (q . k)) and the probabilities by v_scale[j] before the PV product, so the
+fp8 tiles only need converting to q's dtype. A constexpr FP8 flag leaves the 16-bit path untouched.
 """
 
 import functools
@@ -22,9 +25,11 @@ NEG_INF = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, block_table_ptr, start, limit, kv_head, stride_kb, stride_kt, stride_kh,
-             D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V tiles [BLOCK_N, D] of tokens start..start+BLOCK_N of one kv head; tokens >= limit read 0."""
+def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, limit, kv_head,
+             stride_kb, stride_kt, stride_kh, stride_sb, stride_st,
+             D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+    """K and V tiles [BLOCK_N, D] of tokens start..start+BLOCK_N of one kv head, and their scales
+    [BLOCK_N] (with FP8; else ones, which _softmax_step does not read); tokens >= limit read 0."""
     tok = start + tl.arange(0, BLOCK_N)
     mask = tok < limit
     if BLOCK_N <= PAGE:  # start is BLOCK_N-aligned, so the tile lies in one page: one block id
@@ -35,32 +40,49 @@ def _load_kv(k_ptr, v_ptr, block_table_ptr, start, limit, kv_head, stride_kb, st
     offs = rows[:, None] + tl.arange(0, D)[None, :]
     k = tl.load(k_ptr + offs, mask=mask[:, None], other=0.0)
     v = tl.load(v_ptr + offs, mask=mask[:, None], other=0.0)
-    return k, v
+    if FP8:
+        scale_rows = blk * stride_sb + (tok % PAGE) * stride_st + kv_head
+        k_scale = tl.load(k_scale_ptr + scale_rows, mask=mask, other=0.0)
+        v_scale = tl.load(v_scale_ptr + scale_rows, mask=mask, other=0.0)
+    else:  # Triton 3.6 cannot return None in a tuple; unused, so compiled away
+        k_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        v_scale = k_scale
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
-def _softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2, DOT_PRECISION: tl.constexpr):
+def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
+                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax update of (m_i [M], l_i [M], acc [M, D]) with a key/value tile.
 
-    q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None. m_i is in scaled log2 units.
+    q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None. With FP8, k and v are fp8 with
+    scales k_scale, v_scale [N]. m_i is in scaled log2 units.
     """
+    if FP8:  # compute in q's dtype; the scales are applied per key below
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
+    if FP8:
+        qk = qk * k_scale[None, :]
     if mask is not None:
         qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * sm_scale_log2)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * sm_scale_log2 - m_new[:, None])  # one FMA per logit
     l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:  # sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
-    sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ptr, m_ptr,
+    l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
+    stride_sb, stride_st, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid (B, KVH, NUM_SPLITS): the G query heads of one kv head over one split of the context."""
     seq = tl.program_id(0)
@@ -83,10 +105,12 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     for s in range(start, end, BLOCK_N):
-        k, v = _load_kv(k_ptr, v_ptr, block_table, s, end, kv_head, stride_kb, stride_kt, stride_kh,
-                        D, PAGE, BLOCK_N)
+        k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
+                                          stride_kb, stride_kt, stride_kh, stride_sb, stride_st,
+                                          D, PAGE, BLOCK_N, FP8)
         kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, kv_mask, sm_scale_log2, DOT_PRECISION)
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, kv_mask, sm_scale_log2,
+                                      DOT_PRECISION, FP8)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 -> zeros
@@ -117,10 +141,11 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
-    sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
+    sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
+    stride_sb, stride_st, stride_bt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid (query tiles, H, B): BLOCK_M queries of one head of one sequence, causal."""
     tile = tl.program_id(0)
@@ -149,15 +174,19 @@ def _prefill_kernel(
     full_end = (first + 1) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(first + BLOCK_M, ctx)
     for s in range(0, full_end, BLOCK_N):
-        k, v = _load_kv(k_ptr, v_ptr, block_table, s, ctx, kv_head, stride_kb, stride_kt, stride_kh,
-                        D, PAGE, BLOCK_N)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, None, sm_scale_log2, DOT_PRECISION)
+        k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
+                                          stride_kb, stride_kt, stride_kh, stride_sb, stride_st,
+                                          D, PAGE, BLOCK_N, FP8)
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, None, sm_scale_log2,
+                                      DOT_PRECISION, FP8)
     for s in range(full_end, kv_end, BLOCK_N):
-        k, v = _load_kv(k_ptr, v_ptr, block_table, s, ctx, kv_head, stride_kb, stride_kt, stride_kh,
-                        D, PAGE, BLOCK_N)
+        k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
+                                          stride_kb, stride_kt, stride_kh, stride_sb, stride_st,
+                                          D, PAGE, BLOCK_N, FP8)
         key = s + tl.arange(0, BLOCK_N)
         causal = (key[None, :] <= pos[:, None]) & (key < ctx)[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, causal, sm_scale_log2, DOT_PRECISION)
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, causal, sm_scale_log2,
+                                      DOT_PRECISION, FP8)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok_offs * stride_ot + head * stride_oh + d[None, :],
@@ -171,9 +200,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _check_args(q, k_cache, v_cache, block_tables, out) -> str:
+def _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out) -> str:
     """Validate layouts; return the tl.dot input precision for q's dtype."""
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert (k_cache.dtype == torch.float8_e4m3fn) == (k_scale is not None), "an fp8 cache comes with its scales"
+    if k_scale is not None:
+        assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == k_cache.shape[:3]
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and block_tables.stride(-1) == 1
     assert q.shape[-2] % k_cache.shape[2] == 0 and q.shape[-1] == k_cache.shape[3]
     block_size = k_cache.shape[1]
@@ -181,6 +214,13 @@ def _check_args(q, k_cache, v_cache, block_tables, out) -> str:
     assert out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1)
     # float32 inputs: exact fp32 dots (tests); 16-bit inputs ignore the setting
     return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _scale_args(k_cache, v_cache, k_scale, v_scale) -> tuple:
+    """(k_scale, v_scale, stride_sb, stride_st) kernel arguments; without fp8, unused placeholders."""
+    if k_scale is None:
+        return k_cache, v_cache, 0, 0
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1)
 
 
 def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -191,19 +231,20 @@ def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     return splits
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *,
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None, v_scale=None,
                            out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None):
     """Single-token attention of each sequence over its paged KV cache.
 
     q: [B, H, D], the query at position context_lens[b] - 1 (its K/V already in the cache).
     k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: int32 [B, max_blocks];
     context_lens: int32 [B] (0 = padding row: output zeros, no KV read). Returns [B, H, D] in q.dtype.
+    k_scale, v_scale: [num_blocks, block_size, KVH] float32, given iff the cache is float8_e4m3fn.
     out: optional [B, H, D] destination. num_splits (a power of two), block_n, num_warps and
     num_stages override the launch heuristics.
     """
     B, H, D = q.shape
     _, page, kvh, _ = k_cache.shape
-    precision = _check_args(q, k_cache, v_cache, block_tables, out)
+    precision = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out)
     out = torch.empty_like(q) if out is None else out
     if B == 0:
         return out
@@ -218,12 +259,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
     else:
         part_max = part_sum = part_acc = out  # unused
+    k_scale, v_scale, stride_sb, stride_st = _scale_args(k_cache, v_cache, k_scale, v_scale)
     _decode_kernel[(B, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, part_acc, part_max, part_sum,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st, block_tables.stride(0),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     if num_splits > 1:
@@ -233,20 +275,21 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
-                            scale, *, out=None, block_m=None, block_n=None, num_warps=None,
-                            num_stages=None):
+                            scale, *, k_scale=None, v_scale=None, out=None, block_m=None, block_n=None,
+                            num_warps=None, num_stages=None):
     """Causal attention of a varlen batch of query chunks over their paged KV cache.
 
     q: [T, H, D]; sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (int32 [B+1]) and sit at
     the last n_q_b positions of its context_lens[b] (int32 [B]) keys, all already in the cache; query i
     attends to keys at positions <= context_lens[b] - n_q_b + i. Covers plain, chunked and prefix-cached
     prefill. k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: int32 [B, max_blocks].
+    k_scale, v_scale: [num_blocks, block_size, KVH] float32, given iff the cache is float8_e4m3fn.
     max_seqlen_q: max n_q_b (a host int). out: optional [T, H, D] destination. block_m, block_n,
     num_warps and num_stages override the defaults. Returns [T, H, D] in q.dtype.
     """
     T, H, D = q.shape
     _, page, kvh, _ = k_cache.shape
-    precision = _check_args(q, k_cache, v_cache, block_tables, out)
+    precision = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out)
     out = torch.empty_like(q) if out is None else out
     B = context_lens.shape[0]
     if T == 0 or B == 0:
@@ -254,11 +297,13 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     block_m = block_m or min(128, max(16, triton.next_power_of_2(max_seqlen_q)))
     block_n = block_n or (128 if D <= 128 else 64)
     grid = (triton.cdiv(max_seqlen_q, block_m), H, B)
+    k_scale, v_scale, stride_sb, stride_st = _scale_args(k_cache, v_cache, k_scale, v_scale)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st, block_tables.stride(0),
         G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps or (8 if block_m * D >= 128 * 128 else 4), num_stages=num_stages or 2,
     )
     return out
