@@ -49,12 +49,21 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -
     return out
 
 
+def exponential_race(logits: torch.Tensor, generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
+    """A draw per row from softmax(logits): argmax_v p_v / E_v with E_v ~ Exp(1). The rows in `generators`
+    take their noise from their own generator. logits: [rows, vocab] float32 -> [rows] int64."""
+    probs = torch.softmax(logits, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in (generators or {}).items():
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
+
+
 def sample_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     greedy = temperatures == 0
-    probs = torch.softmax(logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1), dim=-1)
-    noise = torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)
-    return torch.where(greedy, logits.argmax(dim=-1), probs.div_(noise).argmax(dim=-1))
+    sampled = exponential_race(logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1))
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
 @dataclass(slots=True)
@@ -109,12 +118,7 @@ def sample_with_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.
         apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
         apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    for row, generator in meta.generators.items():
-        noise[row].exponential_(generator=generator)
-    sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
-    return torch.where(greedy, greedy_tokens, sampled)
+    return torch.where(greedy, greedy_tokens, exponential_race(logits, meta.generators))
 
 
 class Sampler(nn.Module):
