@@ -6,6 +6,7 @@ import torch
 from nanovllm.layers.sampler import sample_torch, sample_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def sample(impl, logits, temperatures, seed):
@@ -47,3 +48,32 @@ def test_triton_seed_reproduces_and_varies():
     a, b, c = (sample_triton(logits, temperatures, seed) for seed in (5, 5, 6))
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
+
+
+def test_rows_split_into_chunks_draw_the_one_pass_tokens():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 5000, device=DEVICE) * 2  # chunks of 1024 columns or more: up to 5 per row
+    temperatures = torch.tensor([0.8, 0.0, 0.0, 0.0, 1.3, 0.6], device=DEVICE)
+    logits[1, 100] = logits[1, 3000] = 60.0  # a greedy tie across chunks: the first index wins
+    logits[2, 2100] = logits[2, 4000] = 70.0  # a tie inside later chunks
+    logits[3:5, :2048] = -float("inf")  # the first chunks of a greedy and a sampled row are out
+    for rows in (slice(0, 1), slice(1, 2), slice(0, 6)):  # one sampled row, one greedy row, all
+        one_pass = sample_triton(logits[rows], temperatures[rows], seed=9, num_chunks=1)
+        for num_chunks in (2, 5):
+            assert torch.equal(sample_triton(logits[rows], temperatures[rows], seed=9, num_chunks=num_chunks),
+                               one_pass)
+    assert one_pass[1:4].tolist() == [100, 2100, logits[3].argmax().item()] and one_pass[4].item() >= 2048
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 64, 131, 300])
+def test_default_split_draws_the_one_pass_tokens_on_the_real_vocab(num_rows):
+    torch.manual_seed(3)
+    logits = (torch.randn(num_rows, 151936, device="cuda") * 4).to(torch.bfloat16)
+    temperatures = torch.rand(num_rows, device="cuda") + 0.2
+    temperatures[::3] = 0
+    for seed in range(5):
+        one_pass = sample_triton(logits, temperatures, seed, num_chunks=1)
+        assert torch.equal(sample_triton(logits, temperatures, seed), one_pass)
+        greedy = temperatures == 0
+        assert torch.equal(one_pass[greedy], logits.argmax(-1)[greedy])
