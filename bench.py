@@ -4,7 +4,7 @@
     python bench.py --single-stream       # one request: time to first token, then decode tok/s
     python bench.py --model DIR --tensor-parallel-size 2 --attention-backend triton
     python bench.py --kv-cache-dtype fp8  # fp8 KV cache (Triton kernels): twice the tokens in the pool
-    python bench.py --mixed-sampling      # sampler step time at batch 256: every control vs temperature only
+    python bench.py --mixed-sampling      # sampler step time at batch 256 and 1: every control vs temperature only
 
 Without --model and without ~/huggingface/Qwen3-0.6B, a random-weight checkpoint with Qwen3-0.6B's
 architecture is written once to ~/.cache/nanovllm/ (throughput with ignore_eos does not depend on
@@ -117,8 +117,9 @@ def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
 def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: int = 256, context: int = 1024,
                          steps: int = 50, device: str = "cuda"):
     """Sampler time per decode step (building the metadata from the sequences, sampling, copying the
-    tokens back) at batch `num_rows` on bf16 logits: temperature only, which runs the one-pass kernel,
-    vs batches mixing every control. Contexts are half prompt, half output, `context` tokens long."""
+    tokens back) on bf16 logits: at batch `num_rows`, temperature only, which runs the one-pass kernel,
+    vs batches mixing every control; then at batch 1, where the kernel splits the row over the SMs,
+    temperature only and every control. Contexts are half prompt, half output, `context` tokens long."""
     from nanovllm.engine.sampling_metadata import build_sampling_metadata
     from nanovllm.engine.sequence import Sequence
     from nanovllm.layers.sampler import Sampler
@@ -138,20 +139,22 @@ def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: i
     }
     logits = torch.randn(num_rows, vocab_size, device=device).to(torch.bfloat16)
     sampler = Sampler()
-    for name, params in mixes.items():
+    runs = [(num_rows, name) for name in mixes] + [(1, "temperature only"), (1, "every control, every row")]
+    for batch, name in runs:
+        params = mixes[name]
         seqs = []
-        for row in range(num_rows):
+        for row in range(batch):
             sp = params[row % len(params)]
             seq = Sequence([randint(0, vocab_size - 1) for _ in range(context // 2)], sp, 256)
             for _ in range(context - context // 2):
                 seq.append_token(randint(0, vocab_size - 1))
             seqs.append(seq)
         for _ in range(5):  # warm-up
-            sampler(logits, build_sampling_metadata(seqs, vocab_size, device, to_device))
+            sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, device, to_device))
         start = time.perf_counter()
         for _ in range(steps):
-            sampler(logits, build_sampling_metadata(seqs, vocab_size, device, to_device))  # syncs: tokens to host
-        print(f"sampler, batch {num_rows}, vocab {vocab_size}, {name}: "
+            sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, device, to_device)).token_ids.tolist()
+        print(f"sampler, batch {batch}, vocab {vocab_size}, {name}: "
               f"{(time.perf_counter() - start) / steps * 1e3:.2f} ms/step")
 
 
@@ -171,7 +174,7 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps at batch 1 and 256 instead of timing the workload (CUDA)")
     parser.add_argument("--mixed-sampling", action="store_true",
-                        help="time the sampler alone at batch 256, every control mixed vs temperature only (CUDA)")
+                        help="time the sampler alone at batch 256 and 1, every control vs temperature only (CUDA)")
     args = parser.parse_args()
 
     if args.mixed_sampling:

@@ -2,11 +2,14 @@
 
 argmax_v p_v / E_v with E_v ~ Exp(1) draws v with probability p_v; in log space that is
 argmax_v logit_v / T + G_v with Gumbel noise G_v = -log(-log U_v). On CUDA one Triton kernel does it
-in a single pass over the logits (no softmax, no float32 copy, no host sync per sequence). A batch in
+in a single pass over the logits (no softmax, no float32 copy, no host sync per sequence); when the
+rows are fewer than the SMs, it splits each row over several programs and a tiny pass picks the best
+of each row's chunks. A batch in
 which some row uses top-k / top-p / min-p, penalties, a seed or logprobs takes the general path: the
 same race after batched logits processing (`logits_processor.py`), still one call for the whole batch.
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -18,17 +21,22 @@ from nanovllm.layers.logits_processor import apply_min_p, apply_penalties, apply
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, out_ptr, seed, vocab_size, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, scores_ptr, tokens_ptr, seed, vocab_size, chunk_size,
+                   BLOCK: tl.constexpr):
+    """Program (row, chunk): the best score of the chunk's columns and its token, into [rows, chunks]."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0
     inv_temperature = 1.0 / tl.where(greedy, 1.0, temperature)
+    begin = chunk * chunk_size
+    end = tl.minimum(begin + chunk_size, vocab_size)
     best_score = -float("inf")
-    best_token = 0
-    for start in range(0, vocab_size, BLOCK):
+    best_token = begin
+    for start in range(begin, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < vocab_size
+        mask = cols < end
         logits = tl.load(logits_ptr + row * logits_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        # The noise depends on (seed, row, column) only: the token drawn does not depend on the split.
         uniform = tl.rand(seed, row * vocab_size + cols)
         gumbel = -tl.log(-tl.log(uniform))
         scores = tl.where(greedy, logits, logits * inv_temperature + gumbel)
@@ -37,24 +45,59 @@ def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, out_ptr, seed, v
         better = block_best > best_score  # strict: the earliest maximum wins, as torch.argmax
         best_token = tl.where(better, start + block_token, best_token)
         best_score = tl.where(better, block_best, best_score)
-    tl.store(out_ptr + row, best_token)
+    out = row * tl.num_programs(1) + chunk
+    tl.store(scores_ptr + out, best_score)
+    tl.store(tokens_ptr + out, best_token)
 
 
-def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
+CHUNK_BLOCK = 1024  # columns per block, and the smallest chunk, when rows are split
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
+                  num_chunks: int | None = None) -> torch.Tensor:
+    """logits: [rows, vocab] -> [rows] int64. One program per row, in one pass, once the rows fill the GPU;
+    with fewer rows than SMs each row's vocabulary is split over up to `num_chunks` programs (by default
+    about two programs per SM; one chunk on CPU) and a second pass takes each row's best chunk, the
+    earliest on ties. The tokens are the same for any split."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    _sample_kernel[(num_rows,)](logits, logits.stride(0), temperatures, out, seed, vocab_size, BLOCK=4096,
-                                num_warps=8)
-    return out
+    if num_chunks is None:
+        num_chunks = max(1, 2 * _num_sms(logits.device) // num_rows) if logits.is_cuda else 1
+    if num_chunks == 1:
+        block, num_warps, chunk_size = 4096, 8, vocab_size
+    else:  # chunks of whole blocks, at least one block each
+        block, num_warps = CHUNK_BLOCK, 4
+        chunk_size = triton.cdiv(triton.cdiv(vocab_size, num_chunks), block) * block
+        num_chunks = triton.cdiv(vocab_size, chunk_size)
+    scores = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    tokens = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+    _sample_kernel[(num_rows, num_chunks)](logits, logits.stride(0), temperatures, scores, tokens, seed, vocab_size,
+                                           chunk_size, BLOCK=block, num_warps=num_warps)
+    if num_chunks == 1:
+        return tokens.squeeze(1)
+    return tokens.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)  # argmax: the earliest best chunk
+
+
+def exponential_race(logits: torch.Tensor, generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
+    """A draw per row from softmax(logits): argmax_v p_v / E_v with E_v ~ Exp(1). The rows in `generators`
+    take their noise from their own generator. logits: [rows, vocab] float32 -> [rows] int64."""
+    probs = torch.softmax(logits, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in (generators or {}).items():
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
 
 
 def sample_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     greedy = temperatures == 0
-    probs = torch.softmax(logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1), dim=-1)
-    noise = torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)
-    return torch.where(greedy, logits.argmax(dim=-1), probs.div_(noise).argmax(dim=-1))
+    sampled = exponential_race(logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1))
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
 @dataclass(slots=True)
@@ -122,12 +165,7 @@ def sample_with_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.
         apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
         apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    for row, generator in meta.generators.items():
-        noise[row].exponential_(generator=generator)
-    sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
-    return torch.where(greedy, greedy_tokens, sampled)
+    return torch.where(greedy, greedy_tokens, exponential_race(logits, meta.generators))
 
 
 class Sampler(nn.Module):
