@@ -65,7 +65,7 @@ def main():
     for kv_cache_dtype in ("auto", "fp8"):
         start = time.perf_counter()
         with LLM(model, device=device, attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
-                 max_model_len=max_prompt_len + args.max_tokens) as llm:
+                 max_model_len=max_prompt_len + args.max_tokens, max_num_seqs=args.num_prompts) as llm:
             outputs[kv_cache_dtype] = llm.generate(prompts, greedy, use_tqdm=False)
             print(f"kv_cache_dtype={kv_cache_dtype}: dtype {llm.config.dtype}, backend {llm.config.attention_backend}, "
                   f"KV pool {llm.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens, "
