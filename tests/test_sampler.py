@@ -1,10 +1,8 @@
-"""The sampler: greedy rows exact, sampled rows distributed as the tempered softmax (torch and Triton), and
-the top-k / top-p bisection kernel against the sort that defines it."""
+"""The sampler: greedy rows exact, sampled rows distributed as the tempered softmax (torch and Triton)."""
 
 import pytest
 import torch
 
-from nanovllm.layers.logits_processor import top_k_top_p_bisect, top_k_top_p_sort
 from nanovllm.layers.sampler import sample_torch, sample_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,50 +77,3 @@ def test_default_split_draws_the_one_pass_tokens_on_the_real_vocab(num_rows):
         assert torch.equal(sample_triton(logits, temperatures, seed), one_pass)
         greedy = temperatures == 0
         assert torch.equal(one_pass[greedy], logits.argmax(-1)[greedy])
-
-
-def top_k_top_p_rows(vocab: int, device: str):
-    """Rows of distinct logits, flat to peaked (one with a masked half, as min-p leaves it), and per-row
-    top-k / top-p in every combination. Each top-p lies halfway between two cumulative masses of its
-    row, so float rounding cannot move the cut-off: the sort and the bisection must agree exactly."""
-    gen = torch.Generator().manual_seed(4)
-    settings = [(0, 1.0), (50, 1.0), (0, 0.9), (50, 0.8), (1, 1.0), (0, 1e-6), (1, 0.5), (10, 0.5), (vocab - 1, 0.95),
-                (300, 0.3), (0, 0.99), (7, 1e-6)]
-    logits = torch.stack([torch.randperm(vocab, generator=gen).float() * [0.001, 0.01, 0.05][row % 3]
-                          for row in range(len(settings))])
-    logits[3, ::2] = -float("inf")
-    top_k, top_p = [], []
-    for row, (k, p) in zip(logits, settings):
-        k = k or vocab
-        if 1e-6 < p < 1:
-            cumulative = torch.softmax(row.double().topk(k).values, dim=0).cumsum(0)
-            n = int(torch.searchsorted(cumulative, p))  # the nucleus is the n + 1 largest
-            p = float(cumulative[n] + (cumulative[n - 1] if n else 0.0)) / 2
-        top_k.append(k)
-        top_p.append(p)
-    return (logits.to(device), torch.tensor(top_k, device=device),
-            torch.tensor(top_p, dtype=torch.float32, device=device))
-
-
-@pytest.mark.parametrize("vocab", [5000, pytest.param(151936, marks=needs_cuda)])
-def test_top_k_top_p_bisection_keeps_what_the_sort_keeps(vocab):
-    logits, top_k, top_p = top_k_top_p_rows(vocab, DEVICE)
-    for k, p in ((top_k, top_p), (top_k, None), (None, top_p)):
-        expected = top_k_top_p_sort(logits.clone(), k, p)
-        assert torch.equal(top_k_top_p_bisect(logits.clone(), k, p), expected)
-    kept = (top_k_top_p_sort(logits.clone(), top_k, top_p) > -float("inf")).sum(dim=1).tolist()
-    assert kept[0] == vocab and kept[4] == kept[5] == kept[6] == kept[11] == 1 and max(kept[1:]) < vocab
-
-
-def test_top_k_top_p_bisection_keeps_ties_at_the_cut_off():
-    logits = torch.full((3, 100), -10.0, device=DEVICE)  # row 0: every logit ties
-    logits[1, :4] = torch.tensor([3.0, 2.0, 2.0, 2.0])  # a tie at the top-p cut-off: cumulative .48 .65 .83 1
-    logits[2, :4] = torch.tensor([5.0, 4.0, 4.0, 1.0])  # a tie at the k-th largest
-    top_k = torch.tensor([1, 100, 2], device=DEVICE)
-    top_p = torch.tensor([1e-6, 0.7, 1.0], device=DEVICE)
-    by_sort = top_k_top_p_sort(logits.clone(), top_k, top_p) > -float("inf")
-    by_bisection = top_k_top_p_bisect(logits.clone(), top_k, top_p) > -float("inf")
-    assert by_sort[0].sum() == 1 and by_bisection[0].all()  # the sort keeps one of the tied tokens, bisection all
-    assert by_sort[1, 0] and by_sort[1].sum() == 3  # the sort keeps two of the three tied tokens, bisection all
-    assert by_bisection[1].nonzero().flatten().tolist() == [0, 1, 2, 3]
-    assert by_sort[2].nonzero().flatten().tolist() == by_bisection[2].nonzero().flatten().tolist() == [0, 1, 2]
