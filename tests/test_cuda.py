@@ -1,13 +1,11 @@
 """End-to-end checks on an NVIDIA GPU (skipped without CUDA): bf16, flash-attn / Triton, CUDA graphs."""
 
-import time
-
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.shm_channel import WorkerDiedError
 from nanovllm.utils.tiny_model import write_tiny_qwen3
+from tests.test_tensor_parallel import check_killed_worker_raises
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -78,18 +76,7 @@ def test_tensor_parallel_2_agrees_with_1(tiny_bf16, prompts):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_killed_worker_raises_instead_of_hanging_in_nccl(tiny_bf16):
     # Rank 0's all-reduce would wait forever for the dead rank: waiting for a step watches the workers.
-    llm = LLM(tiny_bf16, tensor_parallel_size=2, max_model_len=1024)
-    for prompt in ([1, 2, 3], [4, 5]):
-        llm.add_request(prompt, SamplingParams(max_tokens=500, ignore_eos=True))
-    llm.step()
-    llm.processes[0].kill()
-    start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="worker rank 1 died"):
-        while True:
-            llm.step()
-    assert time.monotonic() - start < 10
-    with pytest.raises(RuntimeError, match="has exited"):
-        llm.step()
+    check_killed_worker_raises(LLM(tiny_bf16, tensor_parallel_size=2, max_model_len=1024), max_tokens=500)
 
 
 def test_memory_profiled_pool(tiny_bf16):

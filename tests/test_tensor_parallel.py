@@ -93,12 +93,13 @@ def test_tp_size_that_does_not_divide_heads_is_an_error(tiny_model):
         LLM(tiny_model, tensor_parallel_size=3)
 
 
-def test_killed_worker_raises_and_leaves_no_segment(tiny_model):
-    llm = LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
+def check_killed_worker_raises(llm: LLM, max_tokens: int):
+    """Kill rank 1 mid-generate: within seconds a step raises WorkerDiedError naming it, the
+    engine is closed and its shared-memory segment gone."""
     segment = llm.channel.base_name
     assert glob.glob(f"/dev/shm/{segment}*")
     for prompt in ([1, 2, 3], [4, 5]):
-        llm.add_request(prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+        llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     llm.step()
     llm.processes[0].kill()
     start = time.monotonic()
@@ -109,6 +110,11 @@ def test_killed_worker_raises_and_leaves_no_segment(tiny_model):
     assert not glob.glob(f"/dev/shm/{segment}*")
     with pytest.raises(RuntimeError, match="has exited"):
         llm.step()
+
+
+def test_killed_worker_raises_and_leaves_no_segment(tiny_model):
+    check_killed_worker_raises(LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64),
+                               max_tokens=50)
 
 
 def test_worker_dying_at_start_up_is_an_error(tiny_model, monkeypatch, tmp_path):

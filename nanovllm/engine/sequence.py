@@ -113,8 +113,9 @@ class Sequence:
         del self.token_ids[self.num_tokens:]
         self.num_inflight = 0
 
-    # Worker ranks need only the tokens this step computes: one during decode, the chunk during
-    # (re-)prefill. Everything else they need is counts and the block table.
+    # Worker ranks need only the tokens this step computes: one during decode (possibly a PLACEHOLDER,
+    # which every rank reads from the previous step's broadcast tokens), the chunk during (re-)prefill.
+    # Everything else they need is counts and the block table.
     def __getstate__(self):
         return (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.block_size, self.num_cached_tokens,
                 self.num_scheduled_tokens, self.block_table, self.scheduled_token_ids())
