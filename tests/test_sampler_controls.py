@@ -10,7 +10,7 @@ import torch
 from nanovllm.engine.sampling_metadata import build_sampling_metadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import sampler as sampler_module
-from nanovllm.layers.logits_processor import apply_penalties
+from nanovllm.layers.logits_processor import apply_penalties, apply_top_k_top_p
 from nanovllm.layers.sampler import Sampler, SamplingMetadata
 from nanovllm.sampling_params import SamplingParams
 
@@ -69,6 +69,37 @@ def test_temperature_only_batches_keep_the_one_pass_sampler(monkeypatch):
     mixed = metadata(rows(plain + [SamplingParams(top_k=3)]), 50)
     assert not mixed.only_temperature and mixed.top_k.tolist() == [50, 50, 3]
     assert mixed.top_p is None and mixed.min_p is None and mixed.penalties is None
+    assert mixed.num_top_candidates == 3  # top-k alone: a partial sort of 3
+
+
+def test_top_p_within_top_k_filters_from_candidates_else_sorts():
+    bounded = [SamplingParams(top_k=7, top_p=0.9), SamplingParams(top_k=20), SamplingParams(),
+               SamplingParams(top_k=900)]
+    assert metadata(rows(bounded), 500).num_top_candidates == 500  # every k, capped by the vocabulary
+    assert metadata(rows(bounded[:3]), 500).num_top_candidates == 20
+    assert metadata(rows(bounded + [SamplingParams(top_p=0.5)]), 500).num_top_candidates is None
+
+
+def test_candidate_filtering_keeps_what_the_sort_keeps():
+    """The partial-sort path against the full sort, row by row, on logits without ties: top-k only,
+    top-k with top-p (tiny, middling, 1), k = 1, rows filtering nothing, rows min-p already thinned."""
+    torch.manual_seed(0)
+    vocab = 1000
+    logits = torch.randn(12, vocab) * 3
+    logits[10, 100:] = -float("inf")  # after min-p: fewer finite logits than k
+    top_k = torch.tensor([vocab, 5, 40, 40, 40, 1, 40, vocab, 25, 300, 300, 12])
+    top_p = torch.tensor([1.0, 1.0, 1e-6, 0.5, 0.93, 0.7, 1.0, 1.0, 0.99, 0.8, 0.9, 0.6])
+    for p in (top_p, None):  # top-k with top-p, then top-k alone
+        expected = apply_top_k_top_p(logits.clone(), top_k, top_p if p is not None else torch.ones(12))
+        got = apply_top_k_top_p(logits.clone(), top_k, p, num_candidates=300)
+        assert torch.equal(got.isfinite(), expected.isfinite())
+        assert torch.equal(got[got.isfinite()], logits[got.isfinite()])
+        kept = got.isfinite().sum(dim=1).tolist()
+        if p is None:
+            assert kept == [vocab, 5, 40, 40, 40, 1, 40, vocab, 25, 300, 100, 12]
+        else:  # top-p cut rows 2-4 and 8-11 further (row 2's tiny top_p keeps only the most likely)
+            assert kept[2] == 1 and kept[3] < 40 and kept[4] < 40
+            assert all(a < b for a, b in zip(kept[8:], [25, 300, 100, 12]))
 
 
 def test_greedy_rows_are_argmax_in_a_batch_mixing_every_control():

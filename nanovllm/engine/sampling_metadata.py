@@ -38,6 +38,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device: torch
                                         dtype=np.int64))
     if any(p.top_p < 1 for p in params):
         meta.top_p = to_device(np.array([p.top_p for p in params], dtype=np.float32))
+    if meta.top_k is not None and all(p.top_k > 0 for p in params if p.top_p < 1):  # top-p within top-k
+        meta.num_top_candidates = max(min(p.top_k, vocab_size) for p in params if p.top_k > 0)
     if any(p.min_p > 0 for p in params):
         meta.min_p = to_device(np.array([p.min_p for p in params], dtype=np.float32))
     if any(p.uses_penalties for p in params):

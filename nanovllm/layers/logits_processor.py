@@ -38,15 +38,16 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, -float("inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      num_candidates: int | None = None) -> torch.Tensor:
     """top_k: [rows] int64 (vocab = off) keeps the k largest logits (and ties with the k-th);
     top_p: [rows] float32 (1 = off) keeps the smallest set of most likely tokens whose probability
-    reaches top_p (at least the most likely token)."""
-    if top_p is None:  # a partial sort is enough: the k-th largest logit is the threshold
-        off = top_k == logits.shape[1]
-        k = top_k.masked_fill(off, 1)
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, k.unsqueeze(1) - 1)  # [rows, 1]
-        return logits.masked_fill_(logits < kth.masked_fill_(off.unsqueeze(1), -float("inf")), -float("inf"))
+    reaches top_p (at least the most likely token), after top-k.
+
+    `num_candidates` (at least every row's k; given when every row with top_p < 1 also has a top_k)
+    lets the rows be filtered from their largest num_candidates logits instead of a full sort."""
+    if num_candidates is not None:
+        return _top_k_top_p_from_candidates(logits, top_k, top_p, num_candidates)
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if top_k is not None:
         kth = sorted_logits.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
@@ -56,3 +57,23 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     drop[:, -1] = False
     sorted_logits.masked_fill_(drop, -float("inf"))
     return logits.scatter_(1, order, sorted_logits)
+
+
+def _top_k_top_p_from_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
+                                 num_candidates: int) -> torch.Tensor:
+    """Both filters keep every logit at or above a per-row threshold, found among the row's
+    `num_candidates` largest logits (a partial sort, and no host sync): the k-th largest, raised by
+    top-p to the last of the most likely candidates whose mass reaches top_p. Rows filtering nothing
+    get -inf. Ties with the threshold are kept (the sort path may cut through a tie in top-p)."""
+    values = logits.topk(num_candidates, dim=-1).values  # [rows, candidates], descending
+    position = torch.arange(num_candidates, device=logits.device)
+    off = top_k >= logits.shape[1]
+    in_top_k = position < top_k.unsqueeze(1)  # [rows, candidates]
+    last = (top_k.clamp(max=num_candidates) - 1).unsqueeze(1)  # last kept position, [rows, 1]
+    if top_p is not None:
+        probs = values.masked_fill(~in_top_k, -float("inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # of the more likely candidates
+        keep = in_top_k & ((mass_before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1))
+        last = torch.minimum(last, keep.sum(dim=-1, keepdim=True) - 1)  # the most likely is always kept
+    threshold = values.gather(1, last).masked_fill_(off.unsqueeze(1), -float("inf"))
+    return logits.masked_fill_(logits < threshold, -float("inf"))

@@ -117,6 +117,9 @@ class SamplingMetadata:
     temperatures: torch.Tensor  # [rows] float32, 0 = greedy
     top_k: torch.Tensor | None = None  # [rows] int64, vocab_size = off
     top_p: torch.Tensor | None = None  # [rows] float32, 1 = off
+    # The largest k, set when every row with top_p < 1 also has a top_k: then both filters work on
+    # each row's largest num_top_candidates logits instead of a full sort.
+    num_top_candidates: int | None = None
     min_p: torch.Tensor | None = None  # [rows] float32, 0 = off
     penalties: Penalties | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its request's seeded generator
@@ -164,7 +167,7 @@ def sample_with_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.
     if meta.min_p is not None:
         apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
-        apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.num_top_candidates)
     return torch.where(greedy, greedy_tokens, exponential_race(logits, meta.generators))
 
 
