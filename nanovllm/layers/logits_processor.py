@@ -74,6 +74,7 @@ def _top_k_top_p_from_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_
         probs = values.masked_fill(~in_top_k, -float("inf")).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # of the more likely candidates
         keep = in_top_k & ((mass_before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1))
-        last = torch.minimum(last, keep.sum(dim=-1, keepdim=True) - 1)  # the most likely is always kept
+        # The most likely candidate is always kept (clamped for a row of NaN logits, which keeps none).
+        last = torch.minimum(last, keep.sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
     threshold = values.gather(1, last).masked_fill_(off.unsqueeze(1), -float("inf"))
     return logits.masked_fill_(logits < threshold, -float("inf"))
