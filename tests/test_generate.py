@@ -1,10 +1,12 @@
 """Greedy generation through the public API is token-identical to transformers' greedy decoding."""
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from tests.conftest import NUM_NEW_TOKENS
+from nanovllm.layers.logits_processor import apply_penalties
+from tests.conftest import NUM_NEW_TOKENS, _hf_model, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 
@@ -136,9 +138,31 @@ def test_decode_is_launched_before_the_previous_tokens_reach_the_host(tiny_model
     assert counts and all(inflight == batch for inflight, batch in counts)
 
 
-def test_penalties_wait_for_the_previous_tokens(tiny_model, prompts):
-    penalised = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+def test_penalties_count_the_tokens_still_in_flight(tiny_model, prompts):
+    """Penalised rows overlap too: the token history gets its in-flight last token on the device. The
+    tokens equal a reference that applies the penalties to transformers' logits step by step."""
+    penalised = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5,
+                               frequency_penalty=0.4, presence_penalty=0.3)
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
         counts = count_inflight_inputs(llm)
-        llm.generate(prompts[:3], penalised, use_tqdm=False)
-    assert counts and all(inflight == 0 for inflight, _ in counts)
+        outputs = llm.generate(prompts[:4], [penalised, plain, penalised, penalised], use_tqdm=False)
+    assert counts and all(inflight == batch for inflight, batch in counts)
+    assert outputs[1]["token_ids"] == hf_greedy(tiny_model, prompts[1], 10)
+    for prompt, out in zip([prompts[0], prompts[2], prompts[3]], [outputs[0], outputs[2], outputs[3]]):
+        assert out["token_ids"] == penalised_greedy(tiny_model, prompt, penalised)
+
+
+def penalised_greedy(model_path: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    model = _hf_model(model_path)
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(params.max_tokens):
+            logits = model(torch.tensor([tokens])).logits[0, -1:].float()
+            vocab = logits.shape[1]
+            output = tokens[len(prompt):] or [vocab]  # padding: vocab
+            apply_penalties(logits, torch.tensor([prompt]), torch.tensor([output]),
+                            torch.tensor([params.repetition_penalty]), torch.tensor([params.frequency_penalty]),
+                            torch.tensor([params.presence_penalty]))
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]

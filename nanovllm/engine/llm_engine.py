@@ -22,7 +22,7 @@ from nanovllm.sampling_params import SamplingParams
 
 @dataclass
 class StepResult:
-    """What the steps completed by one `LLMEngine.step` call produced."""
+    """What the step completed by one `LLMEngine.step` call (the one launched by the call before) produced."""
 
     finished: list[Sequence]
     num_prefill_tokens: int
@@ -168,23 +168,20 @@ class LLMEngine:
 
     def step(self) -> StepResult:
         """Schedule and launch a step, then postprocess the previous one while the GPU runs the new
-        one, so the GPU never waits for the host's bookkeeping. The new step takes tokens sampled by
-        the previous one from the device; only a step with penalties, which read token values on the
-        host, is postprocessed before the next is scheduled."""
+        one, so the GPU never waits for the host's bookkeeping. The new step reads the tokens the
+        previous one sampled (its decode inputs, penalty histories) on the device."""
         self._check_alive()
-        completed = []
+        done, finished = None, []  # the step completed by this call, and the sequences it finished
         try:
-            if self.inflight is not None and self.inflight[0].needs_tokens_on_host:
-                completed.append(self._postprocess_inflight())
             seqs, is_prefill = self.scheduler.schedule()
             launched = None
             if seqs:
                 pending = self.model_runner.call("run", seqs, is_prefill)
                 launched = (self.scheduler.commit(seqs, is_prefill), pending)
-            elif self.inflight is None and not completed:
+            elif self.inflight is None:
                 raise RuntimeError("the scheduler could not schedule any request (internal error)")
             if self.inflight is not None:
-                completed.append(self._postprocess_inflight())
+                done, finished = self._postprocess_inflight()
             self.inflight = launched
         except BaseException as error:
             # A failed step leaves the ranks out of step: release everything. If a worker died,
@@ -194,10 +191,10 @@ class LLMEngine:
             if died is not None and died is not error:
                 raise died from error
             raise
-        finished = [seq for _, seqs in completed for seq in seqs]
-        prefill = sum(step.num_tokens for step, _ in completed if step.is_prefill)
-        decode = sum(step.num_tokens for step, _ in completed if not step.is_prefill)
-        return StepResult(finished, prefill, decode)
+        if done is None:
+            return StepResult(finished, 0, 0)
+        prefill = done.num_tokens if done.is_prefill else 0
+        return StepResult(finished, prefill, done.num_tokens - prefill)
 
     def _postprocess_inflight(self) -> tuple[CommittedStep, list[Sequence]]:
         """Wait for the in-flight step's tokens and hand them to the sequences; returns the step and

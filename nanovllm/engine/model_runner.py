@@ -246,9 +246,13 @@ class ModelRunner:
         input_ids = self._to_device(token_ids)
         inflight = np.flatnonzero(token_ids == PLACEHOLDER)
         if inflight.size:
-            rows = np.array([self.last_token_rows[seqs[i].seq_id] for i in inflight], dtype=np.int64)
-            input_ids[self._to_device(inflight)] = self.last_tokens[self._to_device(rows)]
+            input_ids[self._to_device(inflight)] = self._inflight_tokens([seqs[i] for i in inflight])
         return input_ids, self._to_device(positions), meta
+
+    def _inflight_tokens(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The tokens the previous step sampled for `seqs`, read on the device."""
+        rows = np.array([self.last_token_rows[seq.seq_id] for seq in seqs], dtype=np.int64)
+        return self.last_tokens[self._to_device(rows)]
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -273,8 +277,9 @@ class ModelRunner:
         if not sampling_seqs:
             return None
         if self.rank == 0:
-            output = self.sampler(logits, build_sampling_metadata(sampling_seqs, logits.shape[1], self.device,
-                                                                  self._to_device))
+            meta = build_sampling_metadata(sampling_seqs, logits.shape[1], self.device, self._to_device,
+                                           self._inflight_tokens)
+            output = self.sampler(logits, meta)
             tokens = output.token_ids
         else:
             tokens = torch.empty(len(sampling_seqs), dtype=torch.int64, device=self.device)

@@ -13,15 +13,19 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Penalties, SamplingMetadata
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
+ToDevice = Callable[[np.ndarray], torch.Tensor]
+InflightTokens = Callable[[list[Sequence]], torch.Tensor]
+
 # Every control at once: the memory profile samples a batch with these settings.
 ALL_CONTROLS = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.1,
                               frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
 
 
-def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device: torch.device,
-                            to_device: Callable[[np.ndarray], torch.Tensor]) -> SamplingMetadata:
+def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device: torch.device, to_device: ToDevice,
+                            inflight_tokens: InflightTokens | None = None) -> SamplingMetadata:
     """`seqs`: the sequences that sample this step, one row each; `to_device` copies a host array to
-    `device` (the model runner's pinned, non-blocking copy)."""
+    `device` (the model runner's pinned, non-blocking copy); `inflight_tokens` gives the last tokens of
+    sequences whose previous step has not reached the host yet, on the device (penalties count them)."""
     meta = SamplingMetadata(to_device(np.array([seq.temperature for seq in seqs], dtype=np.float32)))
     # EOS and stop ids of the rows still short of min_tokens.
     suppressed = [(row, token_id) for row, seq in enumerate(seqs)
@@ -43,7 +47,7 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device: torch
     if any(p.min_p > 0 for p in params):
         meta.min_p = to_device(np.array([p.min_p for p in params], dtype=np.float32))
     if any(p.uses_penalties for p in params):
-        meta.penalties = _penalties(seqs, vocab_size, to_device)
+        meta.penalties = _penalties(seqs, vocab_size, to_device, inflight_tokens)
     for row, seq in enumerate(seqs):
         if seq.sampling_params.seed is not None:
             if seq.generator is None:
@@ -55,20 +59,27 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device: torch
     return meta
 
 
-def _penalties(seqs: list[Sequence], vocab_size: int, to_device: Callable[[np.ndarray], torch.Tensor]) -> Penalties:
+def _penalties(seqs: list[Sequence], vocab_size: int, to_device: ToDevice,
+               inflight_tokens: InflightTokens | None) -> Penalties:
     """Token ids of the penalised rows, prompt and output apart, padded with vocab_size; the other rows
-    are all padding and their penalties neutral."""
+    are all padding and their penalties neutral. A token still in flight is filled in on the device."""
     params = [seq.sampling_params for seq in seqs]
     penalised = [row for row, p in enumerate(params) if p.uses_penalties]
     ids = np.full((len(seqs), max(len(seqs[row]) for row in penalised)), vocab_size, dtype=np.int64)
     prompt_lens = np.zeros((len(seqs), 1), dtype=np.int64)
+    inflight = []  # (row, position) of the tokens whose values are still on the device
     for row in penalised:
         seq = seqs[row]
         if seq.token_history is None:
             seq.token_history = TokenHistory()
-        ids[row, :len(seq)] = seq.token_history.update(seq.token_ids)
+        known = len(seq) - seq.num_inflight
+        ids[row, :known] = seq.token_history.update(seq.token_ids, known)
+        inflight += [(row, position) for position in range(known, len(seq))]
         prompt_lens[row] = seq.num_prompt_tokens
     ids, prompt_lens = to_device(ids), to_device(prompt_lens)  # [rows, max_len], [rows, 1]
+    if inflight:
+        rows, positions = to_device(np.array(inflight, dtype=np.int64).T.copy())
+        ids[rows, positions] = inflight_tokens([seqs[row] for row, _ in inflight])
     is_prompt = torch.arange(ids.shape[1], device=ids.device) < prompt_lens
     return Penalties(
         prompt_ids=ids.masked_fill(~is_prompt, vocab_size),
@@ -86,12 +97,12 @@ class TokenHistory:
         self.array = np.empty(0, dtype=np.int64)
         self.length = 0
 
-    def update(self, token_ids: list[int]) -> np.ndarray:
-        n = len(token_ids)
+    def update(self, token_ids: list[int], n: int) -> np.ndarray:
+        """The first n of token_ids (all known: no placeholder)."""
         if n > len(self.array):
             grown = np.empty(max(n, 2 * len(self.array)), dtype=np.int64)
             grown[:self.length] = self.array[:self.length]
             self.array = grown
-        self.array[self.length:n] = token_ids[self.length:]
+        self.array[self.length:n] = token_ids[self.length:n]
         self.length = n
         return self.array[:n]

@@ -21,12 +21,6 @@ class CommittedStep:
     num_cached_before: list[int]  # each sequence's num_cached_tokens when the step was scheduled
     num_tokens: int  # tokens computed
 
-    @property
-    def needs_tokens_on_host(self) -> bool:
-        """Penalties read a sequence's token values when its next step is prepared, so that step may
-        not be scheduled before this one's tokens are back."""
-        return any(seq.sampling_params.uses_penalties for seq in self.sampled)
-
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
