@@ -202,9 +202,15 @@ def test_a_reused_block_no_longer_answers_its_old_hash():
     check(bm, [other])
 
 
-def test_hash_collision_with_different_tokens_is_refused(monkeypatch):
+@pytest.fixture
+def colliding_bm(monkeypatch) -> BlockManager:
+    """A pool in which every block hashes to 42: any two blocks collide."""
     monkeypatch.setattr(bm_module, "block_hash", lambda token_ids, prev_hash=NO_HASH: 42)
-    bm = BlockManager(8, BLOCK_SIZE)
+    return BlockManager(8, BLOCK_SIZE)
+
+
+def test_hash_collision_with_different_tokens_is_refused(colliding_bm):
+    bm = colliding_bm
     first = make_seq([1, 2, 3, 4, 5])
     admit(bm, first)
     compute(bm, first)
@@ -214,11 +220,10 @@ def test_hash_collision_with_different_tokens_is_refused(monkeypatch):
     check(bm, [first])
 
 
-def test_hash_collision_with_equal_tokens_after_another_prefix_is_refused(monkeypatch):
+def test_hash_collision_with_equal_tokens_after_another_prefix_is_refused(colliding_bm):
     # With every hash equal, block 0 ([1, 1, 1, 1] at the start) must not also answer for the second
     # block of [1]*8: same tokens, but after a different prefix.
-    monkeypatch.setattr(bm_module, "block_hash", lambda token_ids, prev_hash=NO_HASH: 42)
-    bm = BlockManager(8, BLOCK_SIZE)
+    bm = colliding_bm
     first = make_seq([1, 1, 1, 1, 5])
     admit(bm, first)
     compute(bm, first)

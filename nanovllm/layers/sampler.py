@@ -9,7 +9,6 @@ which some row uses top-k / top-p / min-p, penalties, a seed or logprobs takes t
 same race after batched logits processing (`logits_processor.py`), still one call for the whole batch.
 """
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +17,7 @@ import triton.language as tl
 from torch import nn
 
 from nanovllm.layers.logits_processor import apply_min_p, apply_penalties, apply_top_k_top_p
+from nanovllm.utils.device import num_sms
 
 
 @triton.jit
@@ -53,11 +53,6 @@ def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, scores_ptr, toke
 CHUNK_BLOCK = 1024  # columns per block, and the smallest chunk, when rows are split
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
                   num_chunks: int | None = None) -> torch.Tensor:
     """logits: [rows, vocab] -> [rows] int64. One program per row, in one pass, once the rows fill the GPU;
@@ -67,7 +62,7 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     if num_chunks is None:
-        num_chunks = max(1, 2 * _num_sms(logits.device) // num_rows) if logits.is_cuda else 1
+        num_chunks = max(1, 2 * num_sms(logits.device) // num_rows) if logits.is_cuda else 1
     if num_chunks == 1:
         block, num_warps, chunk_size = 4096, 8, vocab_size
     else:  # chunks of whole blocks, at least one block each

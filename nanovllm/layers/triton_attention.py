@@ -12,11 +12,12 @@ by k_scale[j] (q . (s k) = s (q . k)) and the probabilities by v_scale[j] before
 fp8 tiles only need converting to q's dtype. A constexpr FP8 flag leaves the 16-bit path untouched.
 """
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.utils.device import num_sms
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free for rows that
@@ -193,13 +194,6 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=(i < n_q)[:, None])
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter: pretend to be an H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out) -> str:
     """Validate layouts; return the tl.dot input precision for q's dtype."""
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
@@ -225,7 +219,7 @@ def _scale_args(k_cache, v_cache, k_scale, v_scale) -> tuple:
 
 def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Power-of-two split count: up to ~4 programs per SM, keeping >= 128 keys per split."""
-    splits, target = 1, 4 * _num_sms(device)
+    splits, target = 1, 4 * num_sms(device)
     while batch * num_kv_heads * splits * 2 <= target and splits * 256 <= max_context and splits < 64:
         splits *= 2
     return splits
