@@ -2,6 +2,7 @@
 
     python bench.py                       # 256 requests, prompts/outputs uniform in 100..1024 tokens
     python bench.py --single-stream       # one request: time to first token, then decode tok/s
+    python bench.py --streams 8           # the same with 8 concurrent requests (tok/s per stream)
     python bench.py --model DIR --tensor-parallel-size 2 --attention-backend triton
     python bench.py --kv-cache-dtype fp8  # fp8 KV cache (Triton kernels): twice the tokens in the pool
     python bench.py --mixed-sampling      # sampler step time at batch 256 and 1: every control vs temperature only
@@ -60,21 +61,27 @@ def bench_throughput(llm: LLM, runs: int):
         print(f"run {run}: {total} tokens in {seconds:.2f} s = {total / seconds:,.0f} tok/s")
 
 
-def bench_single_stream(llm: LLM, prompt_len: int, new_tokens: int):
+def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int):
+    """Time to first token (until every stream's first token is on the host: steps overlap, so a
+    step() call returns before the GPU finishes it), then the decode rate per stream."""
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
     vocab = min(10000, llm.config.hf_config.vocab_size - 1)
     for _ in range(2):
-        llm.add_request([randint(0, vocab) for _ in range(prompt_len)],
-                        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens))
+        prompts = [[randint(0, vocab) for _ in range(prompt_len)] for _ in range(num_streams)]
+        seqs = llm.make_sequences(prompts, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens))
         start = time.perf_counter()
-        llm.step()  # prefill, first token
+        for seq in seqs:
+            llm.scheduler.add(seq)
+        while any(not seq.completion_token_ids for seq in seqs):
+            llm.step()
         first = time.perf_counter()
         while not llm.is_finished():
             llm.step()
         end = time.perf_counter()
-        print(f"single stream: prompt {prompt_len}, time to first token {(first - start) * 1e3:.1f} ms, "
-              f"decode {(new_tokens - 1) / (end - first):,.0f} tok/s ({(end - first) / (new_tokens - 1) * 1e3:.2f} "
-              f"ms/token)")
+        per_stream = (new_tokens - 1) / (end - first)
+        print(f"{num_streams} stream(s): prompt {prompt_len}, time to first token {(first - start) * 1e3:.1f} ms, "
+              f"decode {per_stream:,.0f} tok/s per stream ({1e3 / per_stream:.2f} ms/token), "
+              f"{per_stream * num_streams:,.0f} tok/s in all")
 
 
 def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
@@ -169,8 +176,9 @@ def main():
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--runs", type=int, default=2, help="timed runs in one process (the first warms up)")
     parser.add_argument("--single-stream", action="store_true", help="one request instead of the batch workload")
-    parser.add_argument("--prompt-len", type=int, default=1000, help="single-stream prompt length")
-    parser.add_argument("--new-tokens", type=int, default=1024, help="single-stream output length")
+    parser.add_argument("--streams", type=int, default=0, help="like --single-stream with this many requests")
+    parser.add_argument("--prompt-len", type=int, default=1000, help="prompt length of each stream")
+    parser.add_argument("--new-tokens", type=int, default=1024, help="output length of each stream")
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps at batch 1 and 256 instead of timing the workload (CUDA)")
     parser.add_argument("--mixed-sampling", action="store_true",
@@ -191,8 +199,8 @@ def main():
         if args.profile:
             profile_decode(llm, 1)
             profile_decode(llm, 256)
-        elif args.single_stream:
-            bench_single_stream(llm, args.prompt_len, args.new_tokens)
+        elif args.single_stream or args.streams:
+            bench_streams(llm, args.prompt_len, args.new_tokens, args.streams or 1)
         else:
             bench_throughput(llm, args.runs)
         if torch.cuda.is_available():

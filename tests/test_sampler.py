@@ -77,3 +77,19 @@ def test_default_split_draws_the_one_pass_tokens_on_the_real_vocab(num_rows):
         assert torch.equal(sample_triton(logits, temperatures, seed), one_pass)
         greedy = temperatures == 0
         assert torch.equal(one_pass[greedy], logits.argmax(-1)[greedy])
+
+
+@needs_cuda
+def test_a_new_seed_compiles_no_new_kernel():
+    """The seed changes every step: seeds of every divisibility must share one compiled kernel, or a
+    compilation stalls a run whenever a new kind of seed comes up."""
+    from nanovllm.layers.sampler import _sample_kernel
+
+    logits = torch.randn(4, 5000, device="cuda")
+    temperatures = torch.ones(4, device="cuda")
+    sample_triton(logits, temperatures, seed=3, num_chunks=1)
+    kernel_cache = _sample_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(kernel_cache)
+    for seed in (1, 16, 32, 7, 2**30):
+        sample_triton(logits, temperatures, seed=seed, num_chunks=1)
+    assert len(kernel_cache) == compiled

@@ -20,7 +20,9 @@ from nanovllm.layers.logits_processor import apply_min_p, apply_penalties, apply
 from nanovllm.utils.device import num_sms
 
 
-@triton.jit
+# A fresh seed every step: Triton must not specialize on its value (divisible by 16 or not, equal to
+# 1), or a new variant compiles mid-run the first time each kind of seed comes up.
+@triton.jit(do_not_specialize=["seed"])
 def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, scores_ptr, tokens_ptr, seed, vocab_size, chunk_size,
                    BLOCK: tl.constexpr):
     """Program (row, chunk): the best score of the chunk's columns and its token, into [rows, chunks]."""
