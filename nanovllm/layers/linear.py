@@ -3,6 +3,9 @@
 Column-parallel layers split the output features across ranks; row-parallel layers split the input
 features and all-reduce the partial sums. Each parameter has a `weight_loader` that copies its
 rank's slice of a checkpoint tensor.
+
+On CUDA, a few 16-bit rows (decode) go through the skinny GEMM, which reads the weight faster than
+cuBLAS does at that size; everything else through F.linear.
 """
 
 import torch
@@ -10,9 +13,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, skinny_linear
+
 
 def tp_rank_and_size() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), by the skinny GEMM for x [M <= SKINNY_MAX_ROWS, K] 16-bit on CUDA."""
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor):
@@ -51,7 +64,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, tp_dim=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -60,7 +73,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // tp_size, bias, tp_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -106,7 +119,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, before the partial sums are reduced.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -1,0 +1,137 @@
+"""Skinny GEMM: y = x @ weight.T + bias for a few rows of x (decode), in Triton.
+
+With at most 16 rows the product is bound by reading the weight once, so the kernel is laid out for
+weight bandwidth: each program streams a [BLOCK_N, K] slice of the weight in [BLOCK_N, BLOCK_K] tiles
+and multiplies each tile with all rows of x (padded to 16, the smallest tl.dot width). The weight is
+the dot's left operand (y.T = weight @ x.T): its BLOCK_N rows fill the MMA's M side (64 per Hopper
+wgmma) and the 16 padded rows of x the narrow N side, instead of 48 of 64 MMA rows being padding.
+When N / BLOCK_N gives too few programs to keep every SM streaming, K is split across SPLIT_K
+programs too; they write float32 partials that a second small kernel sums (deterministic, unlike
+atomics). Nothing depends on tensor values, so the launch is CUDA-graph safe.
+"""
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.utils.device import num_sms
+
+SKINNY_MAX_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def launch_config(M: int, N: int, K: int, sms: int) -> LaunchConfig:
+    """Default tiles for x [M, K] @ weight [N, K].T: 64 x 128 weight tiles (16 KiB in 16 bits), and
+    K split (by powers of two, at most 8, each split keeping >= 2 K tiles) until there are about
+    two programs per SM. M does not enter yet: the defaults await a GPU sweep (scripts/bench_gemm.py)."""
+    block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(K)))
+    tiles_n = triton.cdiv(N, block_n)
+    split_k = 1
+    while tiles_n * split_k < 2 * sms and split_k < 8 and K >= 4 * split_k * block_k:
+        split_k *= 2
+    return LaunchConfig(block_n, block_k, split_k, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K): output features n of all rows, over one split of K.
+
+    SPLIT_K == 1: out is y [M, N] (stride_om), bias added. Else out is float32 partials
+    [SPLIT_K, M, N], contiguous, reduced by _split_k_reduce_kernel."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: tiles never straddle splits
+    k_end = tl.minimum(k_start + k_per_split, K)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:  # row masks only: the loads stay vectorized along K
+            w = tl.load(w_ptrs + k, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
+        else:  # the last tile is ragged: zeros past K in both operands
+            k_mask = (k + offs_k < K)[None, :]
+            w = tl.load(w_ptrs + k, mask=n_mask[:, None] & k_mask, other=0.0)
+            x = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask, other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, BLOCK_M] = y.T tile
+
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        part = out_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+        tl.store(part, acc, mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Grid (M, cdiv(N, BLOCK)): y[m, n] = sum over splits of partials [SPLIT_K, M, N] (+ bias[n])."""
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs_n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + offs_n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M <= SKINNY_MAX_ROWS, K] with float32 accumulation.
+
+    x: 16-bit, last dim contiguous (rows may be strided); weight [N, K] contiguous, x's dtype;
+    bias: [N] or None. Returns y [M, N] in x.dtype. Keyword arguments override launch_config.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
+    assert weight.shape == (N, K) and weight.dtype == x.dtype and weight.is_contiguous()
+    assert bias is None or (bias.shape == (N,) and bias.is_contiguous())
+    overrides = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+    config = dataclasses.replace(launch_config(M, N, K, num_sms(x.device)),
+                                 **{k: v for k, v in overrides.items() if v is not None})
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    # Whole K tiles per split; splits left with no tile are dropped.
+    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
+    splits = triton.cdiv(K, k_per_split)
+    out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    _skinny_kernel[(triton.cdiv(N, config.block_n), splits)](
+        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), y.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=splits,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        block = 1024
+        _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
+            out, bias if bias is not None else weight, y, M, N, y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, SPLIT_K=splits, num_warps=4,
+        )
+    return y

@@ -1,0 +1,177 @@
+"""Benchmark the skinny GEMM (decode linear layers) against cuBLAS (F.linear) on a CUDA GPU (written
+for an H200).
+
+    python scripts/bench_gemm.py            # Qwen3-0.6B and -8B linear shapes at M = 1..16 (~20 s)
+    python scripts/bench_gemm.py --sweep    # also search launch configs at M = 1 and 8 (~2 min more)
+
+bf16, y = x [M, K] @ weight [N, K].T. Times are medians of triton.testing.do_bench over CUDA-graph
+replays of the one op (GPU time without host launch overhead, as in the engine's decode graphs;
+do_bench flushes L2 between runs). TB/s counts the weight bytes (read once; x and y are noise).
+The table is printed and, if $OUT is set, written to $OUT/bench_gemm.txt.
+"""
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+
+def _load_layer(name):
+    """Load a layers module by path: the kernels need only torch + triton, the package may not import."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "nanovllm" / "layers" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sg = _load_layer("skinny_gemm")
+
+DTYPE = torch.bfloat16
+DEV = "cuda"
+ROWS = (1, 2, 4, 8, 16)
+SHAPES = (  # (model, layer, N, K), TP=1
+    ("0.6B", "qkv", 4096, 1024), ("0.6B", "o", 1024, 2048), ("0.6B", "gate_up", 6144, 1024),
+    ("0.6B", "down", 1024, 3072),
+    ("8B", "qkv", 6144, 4096), ("8B", "o", 4096, 4096), ("8B", "gate_up", 24576, 4096), ("8B", "down", 4096, 12288),
+)
+
+LINES = []
+
+
+def emit(line=""):
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def bench(fn, quick=False):
+    """Median milliseconds of fn replayed from a CUDA graph, L2 flushed before each replay by do_bench."""
+    warmup, rep = (5, 20) if quick else (20, 80)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles / selects the kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth():
+    """Device-to-device copy, bytes read + written per second."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+
+
+def inputs(M, N, K):
+    x = torch.randn(M, K, dtype=DTYPE, device=DEV)
+    weight = torch.randn(N, K, dtype=DTYPE, device=DEV) / K ** 0.5
+    return x, weight
+
+
+def tbps(N, K, ms):
+    return N * K * DTYPE.itemsize / (ms * 1e-3) / 1e12
+
+
+def short(config):
+    """block_n/block_k/split_k/num_warps/num_stages"""
+    return "/".join(str(v) for v in dataclasses.astuple(config))
+
+
+def default_row(model, layer, N, K, M, copy_bw):
+    x, weight = inputs(M, N, K)
+    err = (sg.skinny_linear(x, weight).float() - F.linear(x, weight).float()).abs().max().item()
+    t_ref = bench(lambda: F.linear(x, weight))
+    t = bench(lambda: sg.skinny_linear(x, weight))
+    config = sg.launch_config(M, N, K, sg.num_sms(x.device))
+    emit(f"{model:>5} {layer:>8} {N:>6} {K:>6} {M:>3} {t_ref * 1e3:9.2f} {tbps(N, K, t_ref):5.2f} "
+         f"{t * 1e3:9.2f} {tbps(N, K, t):5.2f} {100 * tbps(N, K, t) * 1e12 / copy_bw:5.1f} "
+         f"{t_ref / t:7.2f} {err:8.1e}  {short(config)}")
+
+
+def run_default(copy_bw):
+    emit(f"== skinny_linear (default launch_config) vs F.linear, bf16; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    emit(f"{'model':>5} {'layer':>8} {'N':>6} {'K':>6} {'M':>3} {'cublas_us':>9} {'TB/s':>5} {'skinny_us':>9} "
+         f"{'TB/s':>5} {'%copy':>5} {'speedup':>7} {'max_err':>8}  config bn/bk/split/warps/stages")
+    for model, layer, N, K in SHAPES:
+        for M in ROWS:
+            default_row(model, layer, N, K, M, copy_bw)
+
+
+TILES = [(bn, bk) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
+         if 4096 <= bn * bk * DTYPE.itemsize <= 65536]  # 4..64 KiB weight tiles
+
+
+def sweep_shape(model, layer, N, K, M):
+    """Coordinate search from the default: tile (bn, bk), then split_k, then (num_warps, num_stages)."""
+    x, weight = inputs(M, N, K)
+    expected = F.linear(x, weight)
+    default = sg.launch_config(M, N, K, sg.num_sms(x.device))
+    results = {}  # config -> milliseconds, or why it has none
+
+    def time_config(config):
+        if config in results:
+            return
+        kwargs = dataclasses.asdict(config)
+        try:
+            if not torch.allclose(sg.skinny_linear(x, weight, **kwargs), expected, rtol=1.6e-2, atol=1e-3):
+                results[config] = "wrong result"
+                return
+            results[config] = bench(lambda: sg.skinny_linear(x, weight, **kwargs), quick=True)
+        except Exception as e:  # e.g. out of shared memory
+            results[config] = type(e).__name__
+
+    def best():
+        return min((c for c, v in results.items() if isinstance(v, float)), key=results.get, default=default)
+
+    time_config(default)
+    for bn, bk in TILES:
+        time_config(dataclasses.replace(default, block_n=bn, block_k=bk))
+    tile = best()
+    for split_k in (1, 2, 4, 8):
+        time_config(dataclasses.replace(tile, split_k=split_k))
+    split = best()
+    for warps in (4, 8):
+        for stages in (2, 3, 4):
+            time_config(dataclasses.replace(split, num_warps=warps, num_stages=stages))
+    ranked = sorted(((v, c) for c, v in results.items() if isinstance(v, float)), key=lambda vc: vc[0])
+    t_default = results[default]
+    emit(f"{model} {layer} N={N} K={K} M={M}: default {short(default)} "
+         + (f"{t_default * 1e3:.2f} us {tbps(N, K, t_default):.2f} TB/s" if isinstance(t_default, float)
+            else t_default))
+    emit("   top: " + "  ".join(f"{short(c)}:{v * 1e3:.2f}us/{tbps(N, K, v):.2f}" for v, c in ranked[:5]))
+    failed = [f"{short(c)}: {v}" for c, v in results.items() if not isinstance(v, float)]
+    if failed:
+        emit(f"   failed: {failed}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also search launch configs at M = 1 and 8")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    start = time.time()
+    torch.manual_seed(0)
+    emit(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    run_default(copy_bandwidth())
+    if args.sweep:
+        emit("== sweep: config bn/bk/split/warps/stages: us/TB/s (medians), top 5 of a coordinate search")
+        for model, layer, N, K in SHAPES:
+            for M in (1, 8):
+                sweep_shape(model, layer, N, K, M)
+    emit(f"total {time.time() - start:.0f} s")
+    if os.environ.get("OUT"):
+        pathlib.Path(os.environ["OUT"], "bench_gemm.txt").write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The skinny GEMM (decode linear layers) vs a float32 torch reference, and its dispatch in linear().
+
+On CPU the kernels run under the Triton interpreter in float16 (the interpreter multiplies bfloat16
+tiles as integers, so bfloat16 is tested on CUDA only). With CUDA, bf16 at Qwen3-0.6B shapes against
+F.linear, inside a CUDA graph, and linear()'s choice of kernel.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from nanovllm.layers import linear as linear_module  # noqa: E402
+from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, launch_config, skinny_linear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+QWEN3_06B_SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024),
+                    "down_proj": (1024, 3072)}  # (N, K)
+
+
+def make_inputs(M, N, K, dtype, bias=False, seed=0):
+    """x [M, K], weight [N, K] scaled so y is O(1), bias [N] or None."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(N, generator=gen).to(DEVICE, dtype) if bias else None
+    return x, weight, b
+
+
+def reference(x, weight, bias):
+    y = x.float() @ weight.float().T
+    return y if bias is None else y + bias.float()
+
+
+def check(y, x, weight, bias):
+    """Only the final rounding to 16 bits (plus float32 summation order) separates y from the reference."""
+    assert y.shape == (x.shape[0], weight.shape[0]) and y.dtype == x.dtype
+    torch.testing.assert_close(y.float(), reference(x, weight, bias), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("N, K", [(64, 128), (100, 200), (48, 40)])  # even; ragged N and K; K < BLOCK_K
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_matches_reference(M, N, K, bias, split_k):
+    x, weight, b = make_inputs(M, N, K, torch.float16, bias)
+    check(skinny_linear(x, weight, b, block_n=32, block_k=64, split_k=split_k), x, weight, b)
+
+
+@pytest.mark.parametrize("split_k", [2, 8])  # 8 > K tiles: the empty splits are dropped
+def test_split_k_ragged_tail(split_k):
+    x, weight, b = make_inputs(5, 40, 200, torch.float16, bias=True)
+    check(skinny_linear(x, weight, b, block_n=16, block_k=32, split_k=split_k), x, weight, b)
+
+
+def test_default_config_splits_k():
+    M, N, K = 2, 64, 1024
+    assert launch_config(M, N, K, sms=132).split_k > 1
+    x, weight, b = make_inputs(M, N, K, torch.float16, bias=True)
+    check(skinny_linear(x, weight, b), x, weight, b)
+
+
+def test_strided_rows():
+    """x a view: every other row of a wider buffer, starting at an odd column (unaligned pointer)."""
+    K = 72
+    base, weight, b = make_inputs(2 * 7, 80, K + 5, torch.float16, bias=True)
+    x = base[::2, 3:3 + K]
+    weight = weight[:, :K].contiguous()
+    assert x.stride(0) != K
+    check(skinny_linear(x, weight, b, block_n=32, block_k=32, split_k=1), x, weight, b)
+    check(skinny_linear(x, weight, b, block_n=32, block_k=32, split_k=2), x, weight, b)
+
+
+def test_no_rows():
+    x, weight, _ = make_inputs(0, 32, 64, torch.float16)
+    assert skinny_linear(x, weight).shape == (0, 32)
+
+
+@pytest.mark.parametrize("N, K", [*QWEN3_06B_SHAPES.values(), (6144, 4096), (4096, 4096), (24576, 4096),
+                                  (4096, 12288), (64, 40)])
+@pytest.mark.parametrize("M", [1, 16])
+def test_launch_config_is_valid(M, N, K):
+    config = launch_config(M, N, K, sms=132)
+    for block in (config.block_n, config.block_k):
+        assert block >= 16 and block & (block - 1) == 0
+    assert 1 <= config.split_k and config.split_k * config.block_k <= max(K, config.block_k)
+    assert config.num_warps in (1, 2, 4, 8, 16) and config.num_stages >= 1
+
+
+def test_linear_uses_f_linear_on_cpu(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("skinny_linear called for a CPU tensor")
+
+    monkeypatch.setattr(linear_module, "skinny_linear", fail)
+    x, weight, b = make_inputs(1, 32, 64, torch.bfloat16, bias=True)
+    x, weight, b = x.cpu(), weight.cpu(), b.cpu()
+    torch.testing.assert_close(linear_module.linear(x, weight, b), F.linear(x, weight, b))
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", QWEN3_06B_SHAPES)
+def test_qwen3_shapes_match_cublas(name):
+    N, K = QWEN3_06B_SHAPES[name]
+    for M in range(1, SKINNY_MAX_ROWS + 1):
+        x, weight, b = make_inputs(M, N, K, torch.bfloat16, bias=name == "qkv_proj", seed=M)
+        y = skinny_linear(x, weight, b)
+        # Both accumulate in float32: at most a bf16 rounding apart.
+        torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1.6e-2, atol=1e-3)
+        torch.testing.assert_close(y.float(), reference(x, weight, b), rtol=8e-3, atol=1e-3)
+
+
+@needs_cuda
+def test_cuda_graph_replay():
+    x, weight, b = make_inputs(4, 1024, 3072, torch.bfloat16, bias=True)
+    expected = skinny_linear(x, weight, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = skinny_linear(x, weight, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(y, skinny_linear(x, weight, b), rtol=0, atol=0)
+    assert not torch.equal(y, expected)
+
+
+@needs_cuda
+@pytest.mark.parametrize("M, uses_skinny", [(1, True), (SKINNY_MAX_ROWS, True), (SKINNY_MAX_ROWS + 1, False)])
+def test_linear_dispatch_on_cuda(monkeypatch, M, uses_skinny):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return skinny_linear(*args, **kwargs)
+
+    monkeypatch.setattr(linear_module, "skinny_linear", spy)
+    x, weight, b = make_inputs(M, 1024, 2048, torch.bfloat16, bias=True)
+    y = linear_module.linear(x, weight, b)
+    assert calls == ([M] if uses_skinny else [])
+    torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1.6e-2, atol=1e-3)
