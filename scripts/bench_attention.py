@@ -38,7 +38,7 @@ def _load_layer(name):
 
 
 ta = _load_layer("triton_attention")
-attention = _load_layer("attention")  # quantize_fp8
+attention = _load_layer("attention")  # quantize_cache_fp8
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -106,9 +106,9 @@ class Cache:
         self.v = torch.randn(shape, dtype=DTYPE, device=DEV)
         self.kv, self.scales = (self.k, self.v), {}
         if fp8:
-            (k8, k_scale), (v8, v_scale) = attention.quantize_fp8(self.k), attention.quantize_fp8(self.v)
+            (k8, k_scale), (v8, v_scale) = map(attention.quantize_cache_fp8, (self.k, self.v))
             self.kv, self.scales = (k8, v8), dict(k_scale=k_scale, v_scale=v_scale)
-        self.kind = "fp8" if fp8 else "bf16"
+        self.fp8, self.kind = fp8, "fp8" if fp8 else "bf16"
         self.token_bytes = 2 * KVH * (D * self.kv[0].element_size() + 4 * fp8)  # K and V of one token
 
     def tokens(self, table, ctx):
@@ -117,8 +117,8 @@ class Cache:
         blocks, offsets = table[tok // PAGE].long(), tok % PAGE
         k, v = (x[blocks, offsets].float() for x in self.kv)
         if self.scales:
-            k *= self.scales["k_scale"][blocks, offsets][..., None]
-            v *= self.scales["v_scale"][blocks, offsets][..., None]
+            k *= self.scales["k_scale"][blocks, :, offsets][..., None]  # scales [num_blocks, KVH, PAGE]
+            v *= self.scales["v_scale"][blocks, :, offsets][..., None]
         return k, v
 
     def tables(self, batch, ctx):
@@ -220,7 +220,11 @@ def run_prefill(cache, **config):
         prefill_row(cache, *shape, config)
 
 
-DECODE_TILES = [(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+def decode_tiles(fp8):
+    """(block_n, num_warps, num_stages) to sweep; the fp8 cache's tiles are half the bytes, so also 256."""
+    return [(bn, w, s) for bn in (32, 64, 128) + ((256,) if fp8 else ()) for w in (4, 8) for s in (2, 3, 4)]
+
+
 PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3),
                    (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)]
 
@@ -239,16 +243,17 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw):
         except Exception as e:  # e.g. out of shared memory
             return type(e).__name__
 
-    results = {(bn, w, s, default): tbps(bn, w, s, default) for bn, w, s in DECODE_TILES}
+    results = {(bn, w, s, default): tbps(bn, w, s, default) for bn, w, s in decode_tiles(cache.fp8)}
     best = max((k for k, v in results.items() if isinstance(v, float)), key=results.get)[:3]
     for splits in (1, 2, 4, 8, 16, 32, 64):
         if (*best, splits) not in results:
             results[(*best, splits)] = tbps(*best, splits)
     ranked = sorted(((v, k) for k, v in results.items() if isinstance(v, float)), reverse=True)
-    base = results[(64, 4, 3, default)]  # the kernel's default tile
+    tile = ta._decode_tile(PAGE, D, cache.fp8)  # the kernel's default, one of the swept tiles
+    base = results[(*tile, default)]
     if isinstance(base, float):
         base = f"{base:.2f} TB/s = {100 * base * 1e12 / copy_bw:.0f}% of copy"
-    emit(f"B={batch} ctx={ctx}: default splits {default}, default tile 64/4/3: {base}")
+    emit(f"B={batch} ctx={ctx}: default splits {default}, default tile {'/'.join(map(str, tile))}: {base}")
     emit("   top: " + "  ".join(f"{bn}/{w}/{s},{sp}:{v:.2f}" for v, (bn, w, s, sp) in ranked[:8]))
     emit(f"   splits with tile {'/'.join(map(str, best))}: " + "  ".join(
         f"{sp}:{results[(*best, sp)]:.2f}" for sp in (1, 2, 4, 8, 16, 32, 64)

@@ -17,7 +17,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from nanovllm.layers import triton_attention as ta  # noqa: E402
-from nanovllm.layers.attention import quantize_fp8  # noqa: E402
+from nanovllm.layers.attention import quantize_cache_fp8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -54,8 +54,8 @@ def make_cache(context_lens, block_size, kvh, d, dtype=torch.float32, spare_bloc
 def fp8_cache(k_cache, v_cache):
     """The caches quantized as the KV store writes them (NaN slots stay NaN): fp8 k, v, their scales
     as kernel kwargs, and the dequantized float64 k, v the reference reads."""
-    (k8, k_scale), (v8, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
-    dequantized = [x.double() * s[..., None].double() for x, s in ((k8, k_scale), (v8, v_scale))]
+    (k8, k_scale), (v8, v_scale) = quantize_cache_fp8(k_cache), quantize_cache_fp8(v_cache)
+    dequantized = [x.double() * s.transpose(1, 2)[..., None].double() for x, s in ((k8, k_scale), (v8, v_scale))]
     return k8, v8, dict(k_scale=k_scale, v_scale=v_scale), *dequantized
 
 
@@ -176,13 +176,27 @@ def test_prefill_tiles(block_m, block_n):
 @pytest.mark.parametrize(
     "block_size,h,kvh,d,context_lens,num_splits,block_n",
     [
-        (16, 4, 4, 32, [1, 15, 16, 17, 33], 1, None),  # MHA, around block boundaries, tiles span pages
+        (16, 4, 4, 32, [1, 15, 16, 17, 33], 1, 64),  # MHA, around block boundaries, tiles span pages
         (32, 8, 2, 16, [1, 31, 32, 33, 0, 300], 4, 16),  # GQA 4, split-K, a padding row, 2 tiles per page
         (16, 16, 8, 16, [40, 7], None, None),  # Qwen3-0.6B head layout
     ],
 )
 def test_decode_fp8(block_size, h, kvh, d, context_lens, num_splits, block_n):
     check_decode(context_lens, block_size, h, kvh, d, num_splits=num_splits, block_n=block_n, fp8=True)
+
+
+def test_decode_default_tiles():
+    assert ta._decode_tile(256, 128, fp8=False) == (64, 4, 3)
+    assert ta._decode_tile(16, 128, fp8=False) == (64, 4, 3)  # tiles spanning pages
+    assert ta._decode_tile(256, 128, fp8=True) == (128, 4, 2)
+    assert ta._decode_tile(64, 128, fp8=True) == (64, 4, 2)  # never more than a page for fp8 ...
+    assert ta._decode_tile(4, 128, fp8=True) == (16, 4, 2)  # ... unless below tl.dot's minimum
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_decode_fp8_default_tile(block_size):
+    # the fp8 defaults (block_n = the page up to 128), split-K by the heuristic, a padding row
+    check_decode([2 * block_size + 1, block_size - 1, 1, 0, 300], block_size, 8, 2, 32, fp8=True)
 
 
 @pytest.mark.parametrize(

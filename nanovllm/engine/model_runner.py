@@ -130,7 +130,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views;
-        with an fp8 cache also the scales, [2, layers, blocks, block_size, kv_heads] float32."""
+        with an fp8 cache also the scales, [2, layers, blocks, kv_heads, block_size] float32."""
         hf = self.config.hf_config
         cache_dtype = self.config.kv_cache_torch_dtype
         fp8 = cache_dtype == torch.float8_e4m3fn
@@ -151,9 +151,12 @@ class ModelRunner:
                 f"no GPU memory left for the KV cache (one block of {self.block_size} tokens needs "
                 f"{block_bytes / 2**20:.1f} MiB) at gpu_memory_utilization={self.config.gpu_memory_utilization}; "
                 f"raise it or lower max_num_batched_tokens / max_num_seqs")
-        shape = (2, hf.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads)
-        self.kv_cache = torch.empty(*shape, self.head_dim, dtype=cache_dtype, device=self.device)
-        self.kv_scales = torch.empty(shape, dtype=torch.float32, device=self.device) if fp8 else None
+        shape = (2, hf.num_hidden_layers, num_blocks)
+        self.kv_cache = torch.empty(*shape, self.block_size, self.num_kv_heads, self.head_dim, dtype=cache_dtype,
+                                    device=self.device)
+        # kv_heads before block_size: an attention tile reads its KV head's scales as one contiguous run.
+        self.kv_scales = torch.empty(*shape, self.num_kv_heads, self.block_size, dtype=torch.float32,
+                                     device=self.device) if fp8 else None
         attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         for i, layer in enumerate(attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

@@ -5,9 +5,10 @@ block s // block_size, offset s % block_size. A step first writes its new K/V in
 attends over the cache (or, for prefill without cached prefix on flash-attn, over the new K/V).
 
 With kv_cache_dtype="fp8" the caches are float8_e4m3fn and each layer also has k_scale, v_scale
-[num_blocks, block_size, num_kv_heads] float32: a token's head x is stored as x / s with
-s = amax(|x|) / 448, so its largest element maps to e4m3's largest finite value and none saturates,
-whatever their magnitude. Only the Triton and torch backends read such a cache.
+[num_blocks, num_kv_heads, block_size] float32 (slot s of head h at [s // block_size, h, s % block_size],
+so the scales of a block's consecutive tokens of one head are contiguous): a token's head x is stored
+as x / s with s = amax(|x|) / 448, so its largest element maps to e4m3's largest finite value and none
+saturates, whatever their magnitude. Only the Triton and torch backends read such a cache.
 """
 
 from collections.abc import Callable
@@ -39,20 +40,23 @@ class AttentionMetadata:
 
 
 @triton.jit
-def _quantize_fp8(x, scale_ptr, slot, D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _quantize_fp8(x, scale_ptr, slot, D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGE: tl.constexpr):
     """x: one token's K or V, [BLOCK_D] = heads of HEAD_DIM flattened (D valid). Stores each head's
-    scale at scale_ptr[slot, head] and returns x / scale in fp8, as quantize_fp8 computes it."""
+    scale at scale_ptr[slot // PAGE, head, slot % PAGE] and returns x / scale in fp8, as quantize_fp8
+    computes it."""
     heads = tl.reshape(x.to(tl.float32), (BLOCK_D // HEAD_DIM, HEAD_DIM))
     scale = tl.maximum(tl.max(tl.abs(heads), 1), FP8_MIN_AMAX) / FP8_MAX  # [BLOCK_D // HEAD_DIM]
     h = tl.arange(0, BLOCK_D // HEAD_DIM)
-    tl.store(scale_ptr + slot * (D // HEAD_DIM) + h, scale, mask=h < D // HEAD_DIM)
+    offs = (slot // PAGE) * (D // HEAD_DIM * PAGE) + h * PAGE + slot % PAGE
+    tl.store(scale_ptr + offs, scale, mask=h < D // HEAD_DIM)
     return tl.reshape(heads / scale[:, None], (BLOCK_D,)).to(tl.float8e4nv)
 
 
 @triton.jit
 def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
                           k_scale_ptr, v_scale_ptr, slot_mapping_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot == -1:
@@ -62,8 +66,8 @@ def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_
     key = tl.load(key_ptr + token * key_stride + offsets, mask=mask)
     value = tl.load(value_ptr + token * value_stride + offsets, mask=mask)
     if FP8:
-        key = _quantize_fp8(key, k_scale_ptr, slot, D, BLOCK_D, HEAD_DIM)
-        value = _quantize_fp8(value, v_scale_ptr, slot, D, BLOCK_D, HEAD_DIM)
+        key = _quantize_fp8(key, k_scale_ptr, slot, D, BLOCK_D, HEAD_DIM, PAGE)
+        value = _quantize_fp8(value, v_scale_ptr, slot, D, BLOCK_D, HEAD_DIM, PAGE)
     tl.store(k_cache_ptr + slot * D + offsets, key, mask=mask)
     tl.store(v_cache_ptr + slot * D + offsets, value, mask=mask)
 
@@ -72,7 +76,7 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
                          slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None):
     """One program per token copies its K and V ([num_kv_heads * head_dim] each) into its slot; into an
-    fp8 cache quantized, with the scales written to k_scale, v_scale."""
+    fp8 cache quantized, with the scales written to k_scale, v_scale [num_blocks, num_kv_heads, block_size]."""
     num_tokens, num_kv_heads, head_dim = key.shape
     d = num_kv_heads * head_dim
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -81,10 +85,12 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
     assert fp8 == (k_scale is not None), "an fp8 cache comes with its scales"
     if fp8:
         assert k_scale.is_contiguous() and v_scale.is_contiguous() and head_dim & (head_dim - 1) == 0
+        assert k_scale.shape == v_scale.shape == (k_cache.size(0), num_kv_heads, k_cache.size(1))
     else:
         k_scale, v_scale = k_cache, v_cache  # unused
     _store_kvcache_kernel[(num_tokens,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache, k_scale,
-                                         v_scale, slot_mapping, d, triton.next_power_of_2(d), head_dim, fp8)
+                                         v_scale, slot_mapping, d, triton.next_power_of_2(d), head_dim,
+                                         k_cache.size(1), fp8)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,16 +100,24 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
+def quantize_cache_fp8(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole [num_blocks, block_size, kv_heads, head_dim] cache -> (fp8 cache, float32 scales
+    [num_blocks, kv_heads, block_size]), as the KV store would have written it."""
+    x, scale = quantize_fp8(cache)
+    return x, scale.transpose(1, 2).contiguous()
+
+
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None):
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
+    block_size = k_cache.size(1)
     for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         x = x[valid]  # [tokens, kv_heads, head_dim]
         if scales is not None:  # fp8 cache
             x, token_scales = quantize_fp8(x)
-            scales.view(-1, x.size(1))[slots] = token_scales
+            scales[slots // block_size, :, slots % block_size] = token_scales  # [tokens, kv_heads]
         cache.view(-1, *x.shape[1:])[slots] = x
 
 
@@ -111,7 +125,7 @@ def _gather(cache, scales, blocks, num_keys) -> torch.Tensor:
     """The first num_keys tokens of the cache blocks `blocks`, float32 (dequantized if fp8): [keys, kv_heads, dim]."""
     x = cache[blocks].flatten(0, 1)[:num_keys].float()
     if scales is not None:
-        x *= scales[blocks].flatten(0, 1)[:num_keys, :, None]
+        x *= scales[blocks].transpose(1, 2).flatten(0, 1)[:num_keys, :, None]
     return x
 
 
