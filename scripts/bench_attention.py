@@ -249,7 +249,7 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw):
         if (*best, splits) not in results:
             results[(*best, splits)] = tbps(*best, splits)
     ranked = sorted(((v, k) for k, v in results.items() if isinstance(v, float)), reverse=True)
-    tile = ta._decode_tile(PAGE, D, cache.fp8)  # the kernel's default, one of the swept tiles
+    tile = ta._decode_tile(D, cache.fp8)  # the kernel's default, one of the swept tiles
     base = results[(*tile, default)]
     if isinstance(base, float):
         base = f"{base:.2f} TB/s = {100 * base * 1e12 / copy_bw:.0f}% of copy"

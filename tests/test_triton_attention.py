@@ -185,17 +185,9 @@ def test_decode_fp8(block_size, h, kvh, d, context_lens, num_splits, block_n):
     check_decode(context_lens, block_size, h, kvh, d, num_splits=num_splits, block_n=block_n, fp8=True)
 
 
-def test_decode_default_tiles():
-    assert ta._decode_tile(256, 128, fp8=False) == (64, 4, 3)
-    assert ta._decode_tile(16, 128, fp8=False) == (64, 4, 3)  # tiles spanning pages
-    assert ta._decode_tile(256, 128, fp8=True) == (128, 4, 2)
-    assert ta._decode_tile(64, 128, fp8=True) == (64, 4, 2)  # never more than a page for fp8 ...
-    assert ta._decode_tile(4, 128, fp8=True) == (16, 4, 2)  # ... unless below tl.dot's minimum
-
-
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 def test_decode_fp8_default_tile(block_size):
-    # the fp8 defaults (block_n = the page up to 128), split-K by the heuristic, a padding row
+    # the fp8 defaults (block_n 128: tiles span pages below 128), split-K by the heuristic, a padding row
     check_decode([2 * block_size + 1, block_size - 1, 1, 0, 300], block_size, 8, 2, 32, fp8=True)
 
 
@@ -260,3 +252,18 @@ def test_fp8_bf16_qwen3():
     torch.testing.assert_close(fp8.double(), ref, atol=2e-2, rtol=2e-2)
     _, _, exact, _ = run_prefill(lens, q_lens, dtype=torch.bfloat16, **QWEN3)
     assert (fp8.float() - exact.float()).abs().max() < 0.2
+
+
+@needs_cuda
+@pytest.mark.parametrize("v_magnitude", [1e-4, 1e2])
+def test_fp8_values_far_from_one(v_magnitude):
+    """The fp8 kernels compute in float16: V of tiny magnitude must not underflow in the PV product
+    (the weights are taken relative to the tile's largest V scale), nor large V overflow."""
+    lens = [1, 300, 1024]
+    k_cache, v_cache, tables, ctx = make_cache(lens, 256, 8, 128)
+    k8, v8, scales, ref_k, ref_v = fp8_cache(k_cache, v_cache * v_magnitude)
+    q = torch.randn(len(lens), 16, 128, device=DEVICE).to(torch.bfloat16)
+    out = ta.paged_decode_attention(q, k8, v8, tables, ctx, 128 ** -0.5, **scales)
+    for b, n in enumerate(lens):
+        ref = reference(q[b:b + 1], ref_k, ref_v, tables[b], n, 128 ** -0.5)[0]
+        torch.testing.assert_close(out[b].double() / v_magnitude, ref / v_magnitude, atol=2e-2, rtol=2e-2)

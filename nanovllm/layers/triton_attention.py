@@ -9,8 +9,11 @@ fp8 KV cache: k_cache, v_cache are float8_e4m3fn and k_scale, v_scale [num_block
 block_size] float32 hold each token's per-head scale (cached value = x / scale, see
 attention.quantize_fp8), so the scales a tile needs for one kv head are contiguous. The scales are
 applied where they cost least: key j's logits are multiplied by k_scale[j] (q . (s k) = s (q . k)) and
-the probabilities by v_scale[j] before the PV product, so the fp8 tiles only need converting to q's
-dtype. A constexpr FP8 flag leaves the 16-bit path untouched.
+the probabilities by v_scale[j] before the PV product, so the fp8 tiles only need converting. They
+are converted to float16, not bfloat16: e4m3 -> f16 is one instruction per pair on sm_89+, e4m3 ->
+bf16 several, and fp16 holds every e4m3 value exactly. A bf16 q is converted to fp16 too (exact in
+fp16's range: |q| < 65504, which normed queries are far below). A constexpr FP8 flag leaves the
+16-bit path untouched.
 """
 
 
@@ -56,6 +59,14 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
 
 
 @triton.jit
+def _fp8_query(q):
+    """q in the dtype the fp8 tiles are converted to: float16 for a 16-bit q, else q's own (tests)."""
+    if q.dtype == tl.bfloat16:
+        return q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
                   DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax update of (m_i [M], l_i [M], acc [M, D]) with a key/value tile.
@@ -63,7 +74,7 @@ def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
     q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None. With FP8, k and v are fp8 with
     scales k_scale, v_scale [N]. m_i is in scaled log2 units.
     """
-    if FP8:  # compute in q's dtype; the scales are applied per key below
+    if FP8:  # compute in q's dtype (fp16 for a 16-bit q, see _fp8_query); scales applied per key below
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
@@ -75,9 +86,14 @@ def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * sm_scale_log2 - m_new[:, None])  # one FMA per logit
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8:  # sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j
-        p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FP8:
+        # sum_j p_j (s_j v_j) = s_max sum_j (p_j s_j / s_max) v_j: dividing by the tile's largest scale
+        # keeps the fp16 weights in [0, 1] (tiny scales would otherwise underflow fp16).
+        v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)  # masked keys have scale 0
+        pv = tl.dot((p * (v_scale / v_max)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION) * v_max
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -104,6 +120,8 @@ def _decode_kernel(
     head_mask = (g < G)[:, None]
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=head_mask, other=0.0)  # [G_PAD, D]
+    if FP8:
+        q = _fp8_query(q)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([G_PAD], NEG_INF, tl.float32)
@@ -169,6 +187,8 @@ def _prefill_kernel(
     tok_offs = (q_start + i).to(tl.int64)[:, None]
     q = tl.load(q_ptr + tok_offs * stride_qt + head * stride_qh + d[None, :],
                 mask=(i < n_q)[:, None], other=0.0)  # [BLOCK_M, D]
+    if FP8:
+        q = _fp8_query(q)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
@@ -232,7 +252,7 @@ def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     return splits
 
 
-def _decode_tile(page: int, head_dim: int, fp8: bool) -> tuple[int, int, int]:
+def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
     """Default (block_n, num_warps, num_stages) of the decode kernel.
 
     fp8: H200 sweep of 2026-11-30 (H=16, KVH=8, D=128, 256-token pages), 128/4/2 was the best tile at
@@ -240,8 +260,8 @@ def _decode_tile(page: int, head_dim: int, fp8: bool) -> tuple[int, int, int]:
     copy bandwidth), B=32 ctx=2048 1.86 at 1 split, B=8 ctx=4096 1.52 at 4 splits. The bf16 cache
     keeps 64/4/3.
     """
-    if fp8:  # at most one page (only page 256 was measured), and tl.dot needs at least 16 keys
-        return max(16, min(128, page)), 4, 2
+    if fp8:  # a tile may span pages (then each token looks up its block id)
+        return 128, 4, 2
     return min(64, max(16, 8192 // head_dim)), 4, 3
 
 
@@ -264,7 +284,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return out
     G = H // kvh
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    default_n, default_warps, default_stages = _decode_tile(page, D, fp8)
+    default_n, default_warps, default_stages = _decode_tile(D, fp8)
     block_n, num_warps, num_stages = block_n or default_n, num_warps or default_warps, num_stages or default_stages
     if num_splits is None:
         num_splits = _decode_num_splits(B, kvh, block_tables.shape[1] * page, q.device)
