@@ -59,14 +59,6 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
 
 
 @triton.jit
-def _fp8_query(q):
-    """q in the dtype the fp8 tiles are converted to: float16 for a 16-bit q, else q's own (tests)."""
-    if q.dtype == tl.bfloat16:
-        return q.to(tl.float16)
-    return q
-
-
-@triton.jit
 def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
                   DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax update of (m_i [M], l_i [M], acc [M, D]) with a key/value tile.
@@ -74,7 +66,7 @@ def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
     q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None. With FP8, k and v are fp8 with
     scales k_scale, v_scale [N]. m_i is in scaled log2 units.
     """
-    if FP8:  # compute in q's dtype (fp16 for a 16-bit q, see _fp8_query); scales applied per key below
+    if FP8:  # compute in q's dtype (fp16 for a 16-bit q, see _fp8_compute_dtype); scales applied per key below
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
@@ -103,7 +95,7 @@ def _decode_kernel(
     l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
     stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
 ):
     """Grid (B, KVH, NUM_SPLITS): the G query heads of one kv head over one split of the context."""
     seq = tl.program_id(0)
@@ -121,7 +113,7 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=head_mask, other=0.0)  # [G_PAD, D]
     if FP8:
-        q = _fp8_query(q)
+        q = q.to(FP8_COMPUTE)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([G_PAD], NEG_INF, tl.float32)
@@ -168,7 +160,7 @@ def _prefill_kernel(
     sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
     stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
 ):
     """Grid (query tiles, H, B): BLOCK_M queries of one head of one sequence, causal."""
     tile = tl.program_id(0)
@@ -188,7 +180,7 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tok_offs * stride_qt + head * stride_qh + d[None, :],
                 mask=(i < n_q)[:, None], other=0.0)  # [BLOCK_M, D]
     if FP8:
-        q = _fp8_query(q)
+        q = q.to(FP8_COMPUTE)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
@@ -234,6 +226,11 @@ def _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out) -> str
     assert out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1)
     # float32 inputs: exact fp32 dots (tests); 16-bit inputs ignore the setting
     return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _fp8_compute_dtype(q: torch.Tensor):
+    """What the fp8 tiles (and q) are converted to: float16 for a 16-bit q, float32 for a float32 q (tests)."""
+    return tl.float32 if q.dtype == torch.float32 else tl.float16
 
 
 def _scale_args(k_cache, v_cache, k_scale, v_scale) -> tuple:
@@ -301,7 +298,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_sh, block_tables.stride(0),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
@@ -338,7 +336,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_sh, block_tables.stride(0),
         G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, FP8_COMPUTE=_fp8_compute_dtype(q),
         num_warps=num_warps or (8 if block_m * D >= 128 * 128 else 4), num_stages=num_stages or 2,
     )
     return out
