@@ -12,25 +12,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _round_to_fp8_like_the_gpu():
+def _round_like_the_gpu():
     """Triton's interpreter (3.6 to 3.9 at least) rounds float32 to fp8 e4m3 by incrementing the 3-bit
-    mantissa without carrying into the exponent: 126.9 becomes 64, not 128. Convert through torch,
-    which rounds to nearest even like the GPU's cvt.rn, so the fp8 KV store can be tested on CPU."""
+    mantissa without carrying into the exponent (126.9 becomes 64, not 128), and float32 to bfloat16 by
+    truncating. Convert through torch, which rounds to nearest even like the GPU's cvt.rn, so the fp8 KV
+    store and bf16 kernels can be tested on CPU."""
     import triton.language as tl
     from triton.runtime import interpreter
 
     convert = interpreter._convert_float
+    torch_dtypes = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.int16)}
 
     def fixed(input, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
-            return torch.tensor(input, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        if input_dtype == tl.float32 and output_dtype in torch_dtypes:
+            dtype, bits = torch_dtypes[output_dtype]
+            return torch.tensor(input, dtype=torch.float32).to(dtype).view(bits).numpy()
         return convert(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = fixed
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _round_to_fp8_like_the_gpu()
+    _round_like_the_gpu()
 # The tiny model's ops are far too small to gain from intra-op threads; one thread also keeps
 # timings steady when tensor-parallel worker processes share the cores.
 torch.set_num_threads(1)

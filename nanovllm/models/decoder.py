@@ -13,6 +13,7 @@ from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.qk_norm_rope import qk_norm_rope
 from nanovllm.layers.rotary_embedding import get_rope
 
 
@@ -46,16 +47,28 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        qkv = self.qkv_proj(hidden_states)
+        q, k = self.norm_rope(positions, qkv, fused=qkv.is_cuda)
+        v = qkv[:, -self.num_kv_heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)  # a view of qkv
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.flatten(1, -1))
+
+    def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] from the qkv
+        projection: per-head RMS-normed (with qk_norm), then rotated. `fused`: one Triton kernel (CUDA);
+        else the torch ops, the exact reference the CPU tests compare with transformers."""
+        if fused:
+            norm = dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps) \
+                if self.qk_norm else {}
+            return qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
+                                self.head_dim, **norm)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary_emb(positions, q, k)
 
 
 class DecoderMLP(nn.Module):

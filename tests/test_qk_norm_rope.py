@@ -1,0 +1,131 @@
+"""The fused q/k RMSNorm + RoPE Triton kernel against the torch ops it replaces (rms_norm, apply_rope, run
+eagerly), on CPU under Triton's interpreter and, with CUDA, at Qwen3-0.6B's shapes.
+
+RoPE only (no norm weights) is elementwise in the same op order: bit-exact. With the norm, the float32
+sum of squares is reduced in a different order than torch's, so 1/rms may differ in its last bits; a
+16-bit x * (1/rms) then rarely rounds the other way (one 16-bit ulp of the normed value), and RoPE can
+carry that into a rotated element of any size (x1 cos - x2 sin may cancel). Hence the bound: 16-bit
+outputs are equal but for at most 1% of the elements (a dropped rounding step makes it ~28%), every
+difference at most 2 ulps of the largest |value| of its head. In float32 nothing rounds the last bits of
+1/rms away: most elements differ, by at most 8 ulps (2^-20 relative) of their head's largest |value|.
+"""
+
+import pytest
+import torch
+
+from nanovllm import LLM
+from nanovllm.layers.layernorm import rms_norm
+from nanovllm.layers.qk_norm_rope import qk_norm_rope
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rope, default_inv_freq
+from nanovllm.utils.tiny_model import write_tiny_llama
+
+MAX_POSITION = 40960
+EPS = 1e-6
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device="cpu", seed=0):
+    """qkv [T, (H + 2 KVH) * D] as the projection writes it, positions [T] (the largest one, and 0 if T > 1),
+    Qwen3's cos/sin table, and norm weights (or None)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = 3 * torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=gen)
+    positions[-1] = MAX_POSITION - 1
+    if num_tokens > 1:
+        positions[0] = 0
+    cos_sin_cache = RotaryEmbedding(default_inv_freq(head_dim, 1e6), MAX_POSITION).cos_sin_cache
+    weights = [2 * torch.rand(head_dim, generator=gen) for _ in range(2)] if norm else [None, None]
+    to = dict(device=device, dtype=dtype)
+    return (qkv.to(**to), positions.to(device), cos_sin_cache.to(device),
+            *[w if w is None else w.to(**to) for w in weights])
+
+
+def reference(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_weight, k_weight):
+    """DecoderAttention's torch path, eager (not torch.compile'd on CUDA)."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim)
+    if q_weight is not None:
+        q, k = rms_norm.__wrapped__(q, q_weight, EPS), rms_norm.__wrapped__(k, k_weight, EPS)
+    return apply_rope.__wrapped__(positions, q, k, cos_sin_cache)
+
+
+def head_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| in ulps of the dtype at the largest |ref| of each head."""
+    largest = ref.float().abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(ref.dtype).tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(largest))) * torch.finfo(ref.dtype).eps
+    return ((out.float() - ref.float()).abs() / ulp).max().item()
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, norm: bool):
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
+    if not norm:
+        assert torch.equal(out, ref)
+    elif ref.dtype == torch.float32:
+        assert head_ulps(out, ref) <= 8
+    else:
+        assert (out != ref).float().mean().item() <= 0.01
+        assert head_ulps(out, ref) <= 2
+
+
+def check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device="cpu"):
+    inputs = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device)
+    q, k = qk_norm_rope(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:], eps=EPS)
+    ref_q, ref_k = reference(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
+    assert_matches(q, ref_q, norm)
+    assert_matches(k, ref_k, norm)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_one_token(head_dim, dtype, norm):
+    check(1, 4, 2, head_dim, dtype, norm)
+
+
+@pytest.mark.parametrize("head_dim, dtype, norm", [
+    (128, torch.float32, True), (128, torch.bfloat16, True), (64, torch.float16, True), (64, torch.bfloat16, False),
+], ids=str)
+def test_many_tokens(head_dim, dtype, norm):
+    check(37, 4, 2, head_dim, dtype, norm)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_decoder_attention_fused_path_matches_torch_path(family, tiny_model, tmp_path):
+    """DecoderAttention.norm_rope hands the kernel its layer's head counts, norm weights, eps and
+    cos/sin table (Qwen3: q/k norm; Llama: RoPE only, llama3-scaled)."""
+    path = tiny_model
+    if family == "llama":
+        path = str(tmp_path)
+        write_tiny_llama(path)
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
+        attn = llm.model_runner.model.model.layers[1].self_attn
+        qkv = torch.randn(5, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim)
+        positions = torch.tensor([0, 1, 17, 500, 1023])
+        fused = attn.norm_rope(positions, qkv, fused=True)
+        torch_path = attn.norm_rope(positions, qkv, fused=False)
+    for out, ref in zip(fused, torch_path):
+        assert_matches(out, ref, norm=family == "qwen3")
+
+
+@needs_cuda
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
+@pytest.mark.parametrize("num_tokens", [1, 256, 1000])
+def test_qwen3_0_6b_shapes_on_cuda(num_tokens, norm):
+    check(num_tokens, 16, 8, 128, torch.bfloat16, norm, device="cuda")
+
+
+@needs_cuda
+def test_cuda_graph_replay():
+    qkv, positions, cos_sin_cache, q_weight, k_weight = make_inputs(8, 16, 8, 128, torch.bfloat16, True, "cuda")
+    args = (cos_sin_cache, 16, 8, 128, q_weight, k_weight)
+    qk_norm_rope(qkv, positions, *args)  # compiles the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, k = qk_norm_rope(qkv, positions, *args)
+    new_qkv, new_positions = make_inputs(8, 16, 8, 128, torch.bfloat16, True, "cuda", seed=1)[:2]
+    qkv.copy_(new_qkv)
+    positions.copy_(new_positions)
+    graph.replay()
+    expected_q, expected_k = qk_norm_rope(new_qkv, new_positions, *args)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
