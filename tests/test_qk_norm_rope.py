@@ -22,9 +22,10 @@ from nanovllm.utils.tiny_model import write_tiny_llama
 MAX_POSITION = 40960
 EPS = 1e-6
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: under the interpreter (conftest)
 
 
-def make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device="cpu", seed=0):
+def make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device=DEVICE, seed=0):
     """qkv [T, (H + 2 KVH) * D] as the projection writes it, positions [T] (the largest one, and 0 if T > 1),
     Qwen3's cos/sin table, and norm weights (or None)."""
     gen = torch.Generator().manual_seed(seed)
@@ -68,7 +69,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, norm: bool):
         assert head_ulps(out, ref) <= 2
 
 
-def check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device="cpu"):
+def check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device=DEVICE):
     inputs = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device)
     q, k = qk_norm_rope(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:], eps=EPS)
     ref_q, ref_k = reference(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
@@ -100,8 +101,9 @@ def test_decoder_attention_fused_path_matches_torch_path(family, tiny_model, tmp
         write_tiny_llama(path)
     with LLM(path, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
         attn = llm.model_runner.model.model.layers[1].self_attn
-        qkv = torch.randn(5, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim)
-        positions = torch.tensor([0, 1, 17, 500, 1023])
+        weight = attn.qkv_proj.weight  # the model's device and dtype
+        qkv = torch.randn(5, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim).to(weight)
+        positions = torch.tensor([0, 1, 17, 500, 1023], device=weight.device)
         fused = attn.norm_rope(positions, qkv, fused=True)
         torch_path = attn.norm_rope(positions, qkv, fused=False)
     for out, ref in zip(fused, torch_path):
