@@ -1,0 +1,107 @@
+"""Every Triton kernel goes through Triton's front end for an H100/H200 (sm_90) with the GPU's dtypes.
+
+The interpreter that runs the kernels on CPU executes them as Python: it does not type-check them as
+the compiler does (a helper returning fp16 in one branch and bf16 in the other ran on CPU and failed
+to compile on the GPU). Building the kernels' Triton IR needs no GPU, so CI catches such errors. The
+interpreter is switched on for the whole test session (conftest), so the IR is built in a subprocess
+without it: run this file as a script to see the kernels it compiles.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+# (module, kernel, pointer dtypes by parameter name, float parameters, constexprs) per configuration.
+BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "block_tables_ptr": "*i32",
+                  "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
+FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
+DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False)
+PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False)
+STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
+
+
+def configurations():
+    import triton.language as tl
+
+    fp16 = dict(FP8_COMPUTE=tl.float16)
+    attention = "nanovllm.layers.triton_attention"
+    return {
+        "decode bf16": (attention, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
+        "decode fp8": (attention, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
+                       {**DECODE, **fp16, "FP8": True, "BLOCK_N": 128, "NUM_SPLITS": 1}),
+        "decode reduce": (attention, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [], dict(D=128, NUM_SPLITS=4)),
+        "prefill bf16": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
+        "prefill fp8": (attention, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
+                        {**PREFILL, **fp16, "FP8": True}),
+        "store bf16": ("nanovllm.layers.attention", "_store_kvcache_kernel",
+                       {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+                        "slot_mapping_ptr": "*i64"}, [], STORE),
+        "store fp8": ("nanovllm.layers.attention", "_store_kvcache_kernel",
+                      {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
+                       "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64"}, [], {**STORE, "FP8": True}),
+        "sampler": ("nanovllm.layers.sampler", "_sample_kernel", {"logits_ptr": "*bf16", "tokens_ptr": "*i64"}, [],
+                    dict(BLOCK=4096)),
+        "skinny gemm": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
+                        {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}, [],
+                        dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4)),
+        "skinny split-k reduce": ("nanovllm.layers.skinny_gemm", "_split_k_reduce_kernel",
+                                  {"b_ptr": "*bf16", "y_ptr": "*bf16"}, [], dict(HAS_BIAS=True, BLOCK=1024, SPLIT_K=4)),
+        "q/k norm + rope": ("nanovllm.layers.qk_norm_rope", "_qk_norm_rope_kernel",
+                            {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
+                             "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16"}, ["eps"],
+                            dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HAS_NORM=True)),
+    }
+
+
+def build_ir(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict) -> str:
+    """Triton IR of the kernel for sm_90: pointers as given (others float32), floats fp32, other arguments i32."""
+    import importlib
+
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), kernel)
+    names = list(inspect.signature(fn.fn).parameters)
+    assert set(constexprs) <= set(names), f"{kernel}: unknown constexpr"
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*fp32") if name.endswith("_ptr")
+                 else "fp32" if name in floats else "i32" for name in names}
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    options = backend.parse_options({})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
+    return str(source.make_ir(target, options, backend.get_codegen_implementation(options),
+                              backend.get_module_map(), context))
+
+
+def test_every_kernel_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    if "no Triton CUDA backend" in result.stdout:
+        pytest.skip("this Triton has no CUDA backend to compile with")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count(": ok") == len(configurations())
+
+
+if __name__ == "__main__":
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except ImportError:
+        print("no Triton CUDA backend")
+        sys.exit(0)
+    failed = False
+    for name, config in configurations().items():
+        try:
+            build_ir(*config)
+            print(f"{name}: ok")
+        except Exception as error:  # report every kernel, not just the first failure
+            failed = True
+            print(f"{name}: FAILED\n{error}")
+    sys.exit(1 if failed else 0)
