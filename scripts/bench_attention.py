@@ -18,7 +18,6 @@ dequantized cache and err_fa includes the quantization error.
 """
 
 import argparse
-import importlib.util
 import os
 import pathlib
 import time
@@ -27,18 +26,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-
-def _load_layer(name):
-    """Load a layers module by path: the kernels need only torch + triton, the package may not import."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "nanovllm" / "layers" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ta = _load_layer("triton_attention")
-attention = _load_layer("attention")  # quantize_cache_fp8
+from nanovllm.layers import attention  # quantize_cache_fp8
+from nanovllm.layers import triton_attention as ta
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

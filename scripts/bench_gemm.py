@@ -12,7 +12,6 @@ The table is printed and, if $OUT is set, written to $OUT/bench_gemm.txt.
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import pathlib
 import time
@@ -22,17 +21,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-
-def _load_layer(name):
-    """Load a layers module by path: the kernels need only torch + triton, the package may not import."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "nanovllm" / "layers" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sg = _load_layer("skinny_gemm")
+from nanovllm.layers import skinny_gemm as sg
 
 DTYPE = torch.bfloat16
 DEV = "cuda"
