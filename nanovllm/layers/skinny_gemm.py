@@ -30,10 +30,11 @@ class LaunchConfig:
     num_stages: int
 
 
-def launch_config(M: int, N: int, K: int, sms: int) -> LaunchConfig:
+def launch_config(N: int, K: int, sms: int) -> LaunchConfig:
     """Default tiles for x [M, K] @ weight [N, K].T: 64 x 128 weight tiles (16 KiB in 16 bits), and
     K split (by powers of two, at most 8, each split keeping >= 2 K tiles) until there are about
-    two programs per SM. M does not enter yet: the defaults await a GPU sweep (scripts/bench_gemm.py)."""
+    two programs per SM. The H200 sweep (scripts/bench_gemm.py --sweep, BENCHMARKS.md) found the best
+    configs within ~10% of these and no dependence on the number of rows."""
     block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(K)))
     tiles_n = triton.cdiv(N, block_n)
     split_k = 1
@@ -113,7 +114,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert weight.shape == (N, K) and weight.dtype == x.dtype and weight.is_contiguous()
     assert bias is None or (bias.shape == (N,) and bias.is_contiguous())
     overrides = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
-    config = dataclasses.replace(launch_config(M, N, K, num_sms(x.device)),
+    config = dataclasses.replace(launch_config(N, K, num_sms(x.device)),
                                  **{k: v for k, v in overrides.items() if v is not None})
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
