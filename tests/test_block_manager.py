@@ -38,6 +38,15 @@ def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None):
     bm.register_computed_blocks(seq, before)
 
 
+def pool_with_computed(num_blocks: int, tokens) -> tuple[BlockManager, Sequence]:
+    """A pool of num_blocks holding one admitted sequence of `tokens`, all of them computed."""
+    bm = BlockManager(num_blocks, BLOCK_SIZE)
+    seq = make_seq(tokens)
+    admit(bm, seq)
+    compute(bm, seq)
+    return bm, seq
+
+
 def ref_counts(bm: BlockManager) -> list[int]:
     return [block.ref_count for block in bm.blocks]
 
@@ -61,10 +70,7 @@ def test_allocate_takes_lowest_ids_and_deallocate_frees_last_block_first():
 
 
 def test_freed_blocks_keep_their_hash_until_reused():
-    bm = BlockManager(4, BLOCK_SIZE)
-    seq = make_seq(range(1, 10))
-    admit(bm, seq)
-    compute(bm, seq)
+    bm, seq = pool_with_computed(4, range(1, 10))
     full_hashes = {bm.blocks[0].hash: 0, bm.blocks[1].hash: 1}
     assert bm.hash_to_block_id == full_hashes  # the partial third block is never hashed
     bm.deallocate(seq)
@@ -74,10 +80,7 @@ def test_freed_blocks_keep_their_hash_until_reused():
 
 
 def test_decode_appends_a_block_exactly_when_the_last_token_starts_one():
-    bm = BlockManager(4, BLOCK_SIZE)
-    seq = make_seq(range(1, 5))
-    admit(bm, seq)
-    compute(bm, seq)
+    bm, seq = pool_with_computed(4, range(1, 5))
     assert seq.block_table == [0]
     for token in range(100, 109):  # decode: sample a token, then the next step computes it
         seq.append_token(token)
@@ -92,10 +95,7 @@ def test_decode_appends_a_block_exactly_when_the_last_token_starts_one():
 
 
 def test_can_append_needs_a_free_block_only_when_a_block_starts():
-    bm = BlockManager(1, BLOCK_SIZE)
-    seq = make_seq(range(1, 4))
-    admit(bm, seq)
-    compute(bm, seq)
+    bm, seq = pool_with_computed(1, range(1, 4))
     seq.append_token(9)  # 4 tokens: still fits in block 0
     assert bm.can_append(seq)
     bm.may_append(seq)
@@ -105,10 +105,7 @@ def test_can_append_needs_a_free_block_only_when_a_block_starts():
 
 
 def test_prefix_hit_revives_blocks_of_a_finished_request():
-    bm = BlockManager(8, BLOCK_SIZE)
-    first = make_seq(range(1, 11))
-    admit(bm, first)
-    compute(bm, first)
+    bm, first = pool_with_computed(8, range(1, 11))
     bm.deallocate(first)
     assert list(bm.free_block_ids) == [3, 4, 5, 6, 7, 2, 1, 0]
 
@@ -122,10 +119,7 @@ def test_prefix_hit_revives_blocks_of_a_finished_request():
 
 
 def test_prefix_hit_shares_blocks_of_a_live_request():
-    bm = BlockManager(8, BLOCK_SIZE)
-    first = make_seq(range(1, 11))
-    admit(bm, first)
-    compute(bm, first)
+    bm, first = pool_with_computed(8, range(1, 11))
     second = make_seq(list(range(1, 9)) + [99])
     assert admit(bm, second) == [0, 1]
     assert second.block_table == [0, 1, 3]
@@ -143,10 +137,7 @@ def test_prefix_hit_shares_blocks_of_a_live_request():
 
 @pytest.mark.parametrize("num_tokens, expected_hits", [(4, []), (8, [0]), (12, [0, 1])])
 def test_a_fully_cached_prompt_still_computes_its_last_block(num_tokens, expected_hits):
-    bm = BlockManager(8, BLOCK_SIZE)
-    first = make_seq(range(1, num_tokens + 1))
-    admit(bm, first)
-    compute(bm, first)
+    bm, first = pool_with_computed(8, range(1, num_tokens + 1))
     assert len(bm.hash_to_block_id) == num_tokens // BLOCK_SIZE
     second = make_seq(range(1, num_tokens + 1))
     assert admit(bm, second) == expected_hits
@@ -174,19 +165,13 @@ def test_blocks_enter_the_hash_table_only_once_computed():
 
 
 def test_chained_hash_depends_on_the_prefix():
-    bm = BlockManager(8, BLOCK_SIZE)
-    first = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
-    admit(bm, first)
-    compute(bm, first)
+    bm, first = pool_with_computed(8, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert bm.blocks[1].hash == block_hash([5, 6, 7, 8], block_hash([1, 2, 3, 4]))
     assert bm.cached_prefix(make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9])) == []  # same block 1, other prefix
 
 
 def test_a_reused_block_no_longer_answers_its_old_hash():
-    bm = BlockManager(3, BLOCK_SIZE)
-    first = make_seq(range(1, 10))
-    admit(bm, first)
-    compute(bm, first)
+    bm, first = pool_with_computed(3, range(1, 10))
     old_hash = bm.blocks[1].hash
     bm.deallocate(first)
     assert list(bm.free_block_ids) == [2, 1, 0]
@@ -235,19 +220,13 @@ def test_hash_collision_with_equal_tokens_after_another_prefix_is_refused(collid
 
 
 def test_planted_hash_entry_with_other_tokens_is_refused():
-    bm = BlockManager(8, BLOCK_SIZE)
-    first = make_seq([1, 2, 3, 4, 5])
-    admit(bm, first)
-    compute(bm, first)
+    bm, first = pool_with_computed(8, [1, 2, 3, 4, 5])
     bm.hash_to_block_id[block_hash([7, 7, 7, 7])] = 0  # block 0 holds [1, 2, 3, 4]
     assert bm.cached_prefix(make_seq([7, 7, 7, 7, 5])) == []
 
 
 def test_can_allocate_counts_hits_on_blocks_in_use_as_free():
-    bm = BlockManager(4, BLOCK_SIZE)
-    first = make_seq(range(1, 10))
-    admit(bm, first)
-    compute(bm, first)
+    bm, first = pool_with_computed(4, range(1, 10))
     assert bm.num_free_blocks == 1
     sharing = make_seq(list(range(1, 9)) + [99])  # 3 blocks, 2 of them hits in use
     assert bm.can_allocate(sharing, bm.cached_prefix(sharing))
@@ -259,10 +238,7 @@ def test_can_allocate_counts_hits_on_blocks_in_use_as_free():
 
 
 def test_can_allocate_counts_hits_on_free_blocks_as_used():
-    bm = BlockManager(4, BLOCK_SIZE)
-    first = make_seq(range(1, 10))
-    admit(bm, first)
-    compute(bm, first)
+    bm, first = pool_with_computed(4, range(1, 10))
     bm.deallocate(first)
     filler = make_seq([50])
     admit(bm, filler)  # takes block 3
@@ -301,10 +277,7 @@ def corrupt_hash_of_partial_block(bm, seq):
 @pytest.mark.parametrize("corrupt", [corrupt_ref_count, corrupt_free_a_held_block, corrupt_leak_a_free_block,
                                      corrupt_hash_entry, corrupt_hash_of_partial_block])
 def test_check_integrity_detects_corruption(corrupt):
-    bm = BlockManager(6, BLOCK_SIZE)
-    seq = make_seq(range(1, 10))
-    admit(bm, seq)
-    compute(bm, seq)
+    bm, seq = pool_with_computed(6, range(1, 10))
     check(bm, [seq])
     corrupt(bm, seq)
     with pytest.raises(AssertionError):
