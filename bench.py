@@ -72,7 +72,7 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int):
         start = time.perf_counter()
         for seq in seqs:
             llm.scheduler.add(seq)
-        while any(not seq.completion_token_ids for seq in seqs):
+        while any(seq.num_output_tokens == 0 for seq in seqs):
             llm.step()
         first = time.perf_counter()
         while not llm.is_finished():

@@ -64,8 +64,10 @@ class LLM(LLMEngine):
                     sent[index] = (seq.num_output_tokens, end)
                     if seq.is_finished:
                         del pending[index]
-                    yield StreamOutput(index, text[num_chars:end], seq.completion_token_ids[num_tokens:],
-                                       seq.is_finished, seq.finish_reason, seq.stop_reason)
+                    prompt = seq.num_prompt_tokens  # slice just the new tokens, not the whole output each step
+                    new_tokens = seq.token_ids[prompt + num_tokens:prompt + seq.num_output_tokens]
+                    yield StreamOutput(index, text[num_chars:end], new_tokens, seq.is_finished, seq.finish_reason,
+                                       seq.stop_reason)
         finally:
             for seq in pending.values():
                 if not seq.is_finished:
