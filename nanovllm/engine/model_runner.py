@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
+from nanovllm.config import Config, head_dim
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
@@ -81,7 +81,7 @@ class ModelRunner:
         load_model(self.model, config.model)
         self.sampler = Sampler()
         self.num_kv_heads = hf.num_key_value_heads // self.world_size
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.head_dim = head_dim(hf)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         # The last step's sampled tokens, left on the device (and on every rank): the next step may be
         # launched before they reach the host, and then takes its input tokens from here.
