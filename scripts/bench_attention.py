@@ -18,13 +18,11 @@ dequantized cache and err_fa includes the quantization error.
 """
 
 import argparse
-import os
-import pathlib
 import time
 
 import torch
 import triton
-from triton.testing import do_bench
+from gpu_timing import bench, copy_bandwidth, emit, save_report  # scripts/gpu_timing.py
 
 from nanovllm.layers import attention  # quantize_cache_fp8
 from nanovllm.layers import triton_attention as ta
@@ -47,40 +45,6 @@ PREFILL_SHAPES = (
     ("4x512+1536", 4, 1536, 512),
     ("16x128+896", 16, 896, 128),
 )
-
-LINES = []
-
-
-def emit(line=""):
-    print(line, flush=True)
-    LINES.append(line)
-
-
-def bench(fn, quick=False):
-    """Median milliseconds of fn replayed from a CUDA graph (no host launch overhead, as in the engine's
-    decode graphs), L2 flushed before each replay by do_bench. Falls back to timing fn itself."""
-    warmup, rep = (5, 25) if quick else (25, 100)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as e:
-        emit(f"(CUDA graph capture failed, timing eagerly: {type(e).__name__}: {e})"[:200])
-        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
-
-
-def copy_bandwidth():
-    """Device-to-device copy, bytes read + written per second (eager: a graph-captured copy is slower)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    y = torch.empty_like(x)
-    return 2 * x.numel() / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
-
 
 class Cache:
     """One paged K/V cache large enough for the biggest shape; each shape takes random blocks of it.
@@ -283,8 +247,7 @@ def main():
     if args.sweep:
         sweep(cache, copy_bw)
     emit(f"total {time.time() - start:.0f} s")
-    if os.environ.get("OUT"):
-        pathlib.Path(os.environ["OUT"], "bench_attention.txt").write_text("\n".join(LINES) + "\n")
+    save_report("bench_attention.txt")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ The table is printed and, if $OUT is set, written to $OUT/bench_gemm.txt.
 
 import argparse
 import dataclasses
-import os
-import pathlib
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
+from gpu_timing import bench, copy_bandwidth, emit, save_report  # scripts/gpu_timing.py
 
 from nanovllm.layers import skinny_gemm as sg
 
@@ -31,35 +29,6 @@ SHAPES = (  # (model, layer, N, K), TP=1
     ("0.6B", "down", 1024, 3072),
     ("8B", "qkv", 6144, 4096), ("8B", "o", 4096, 4096), ("8B", "gate_up", 24576, 4096), ("8B", "down", 4096, 12288),
 )
-
-LINES = []
-
-
-def emit(line=""):
-    print(line, flush=True)
-    LINES.append(line)
-
-
-def bench(fn, quick=False):
-    """Median milliseconds of fn replayed from a CUDA graph, L2 flushed before each replay by do_bench."""
-    warmup, rep = (5, 20) if quick else (20, 80)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compiles / selects the kernel outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
-
-
-def copy_bandwidth():
-    """Device-to-device copy, bytes read + written per second."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    y = torch.empty_like(x)
-    return 2 * x.numel() / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
-
 
 def inputs(M, N, K):
     x = torch.randn(M, K, dtype=DTYPE, device=DEV)
@@ -158,8 +127,7 @@ def main():
             for M in (1, 8):
                 sweep_shape(model, layer, N, K, M)
     emit(f"total {time.time() - start:.0f} s")
-    if os.environ.get("OUT"):
-        pathlib.Path(os.environ["OUT"], "bench_gemm.txt").write_text("\n".join(LINES) + "\n")
+    save_report("bench_gemm.txt")
 
 
 if __name__ == "__main__":
