@@ -110,7 +110,7 @@ def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
     gpu_us = sum(e.self_device_time_total for e in events)
     print(f"decode at batch {len(llm.scheduler.running)}: {wall / steps * 1e3:.2f} ms/step wall, GPU busy "
           f"{gpu_us / steps / 1e3:.2f} ms/step ({gpu_us / 1e6 / wall:.0%})")
-    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
+    print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
     host = cProfile.Profile()
     host.enable()
     for _ in range(steps):
