@@ -3,6 +3,7 @@ for an H200).
 
     python scripts/bench_gemm.py            # Qwen3-0.6B and -8B linear shapes at M = 1..16 (~20 s)
     python scripts/bench_gemm.py --sweep    # also search launch configs at M = 1 and 8 (~2 min more)
+    python scripts/bench_gemm.py --chain    # 28 layers of Qwen3-0.6B's decode linears, fused or not
 
 bf16, y = x [M, K] @ weight [N, K].T. Times are medians of triton.testing.do_bench over CUDA-graph
 replays of the one op (GPU time without host launch overhead, as in the engine's decode graphs;
@@ -20,6 +21,8 @@ import triton
 from gpu_timing import bench, copy_bandwidth, emit, save_report  # scripts/gpu_timing.py
 
 from nanovllm.layers import skinny_gemm as sg
+from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.layernorm import add_rms_norm
 
 DTYPE = torch.bfloat16
 DEV = "cuda"
@@ -63,6 +66,51 @@ def run_default(copy_bw):
     for model, layer, N, K in SHAPES:
         for M in ROWS:
             default_row(model, layer, N, K, M, copy_bw)
+
+
+def layer_chain(M, layers, fused_norm, fused_silu, split_k=None):
+    """A function running `layers` of Qwen3-0.6B's decode linears as the engine does, attention aside:
+    [add + RMSNorm, qkv] [o] [add + RMSNorm, gate_up] [SiLU-and-mul, down], each bracket one fused
+    kernel or the separate ops (torch.compile'd norm / activation)."""
+    hidden, inter = 1024, 3072
+    weights = [dict(qkv=torch.randn(4096, hidden, dtype=DTYPE, device=DEV) / 32,
+                    o=torch.randn(hidden, 2048, dtype=DTYPE, device=DEV) / 45,
+                    gate_up=torch.randn(2 * inter, hidden, dtype=DTYPE, device=DEV) / 32,
+                    down=torch.randn(hidden, inter, dtype=DTYPE, device=DEV) / 55,
+                    norm=torch.ones(hidden, dtype=DTYPE, device=DEV)) for _ in range(layers)]
+    x0 = torch.randn(M, hidden, dtype=DTYPE, device=DEV)
+    attn_out = torch.randn(M, 2048, dtype=DTYPE, device=DEV)
+    kw = dict(split_k=split_k)
+
+    def norm_linear(x, residual, w, norm):
+        if fused_norm:
+            return sg.skinny_add_rms_norm_linear(x, residual, norm, 1e-6, w, **kw)
+        x, residual = add_rms_norm(x, residual, norm, 1e-6)
+        return sg.skinny_linear(x, w, **kw), residual
+
+    def run():
+        x, residual = x0, x0
+        for w in weights:
+            _, residual = norm_linear(x, residual, w["qkv"], w["norm"])
+            x = sg.skinny_linear(attn_out, w["o"], **kw)
+            gate_up, residual = norm_linear(x, residual, w["gate_up"], w["norm"])
+            x = (sg.skinny_silu_and_mul_linear(gate_up, w["down"], **kw) if fused_silu
+                 else sg.skinny_linear(silu_and_mul(gate_up), w["down"], **kw))
+        return x
+
+    return run
+
+
+def run_chain():
+    layers = 28
+    emit(f"== {layers} layers of Qwen3-0.6B decode linears (attention aside), CUDA graph; us per layer")
+    emit(f"{'M':>3} {'separate':>9} {'fused silu':>10} {'fused both':>10} {'separate, split 1':>17} "
+         f"{'fused both, split 1':>19}")
+    for M in (1, 8):
+        times = [bench(layer_chain(M, layers, norm, silu, split)) * 1e3 / layers
+                 for norm, silu, split in ((False, False, None), (False, True, None), (True, True, None),
+                                           (False, False, 1), (True, True, 1))]
+        emit(f"{M:>3} " + " ".join(f"{t:{w}.2f}" for t, w in zip(times, (9, 10, 10, 17, 19))))
 
 
 TILES = [(bn, bk) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
@@ -115,11 +163,16 @@ def sweep_shape(model, layer, N, K, M):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also search launch configs at M = 1 and 8")
+    parser.add_argument("--chain", action="store_true", help="only time 28 layers of decode linears, fused or not")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
     torch.manual_seed(0)
     emit(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if args.chain:
+        run_chain()
+        save_report("bench_gemm.txt")
+        return
     run_default(copy_bandwidth())
     if args.sweep:
         emit("== sweep: config bn/bk/split/warps/stages: us/TB/s (medians), top 5 of a coordinate search")
