@@ -27,7 +27,7 @@ def zeroed_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
     key = (owner, torch.device(device))
     buffer = _counters.get(key)
     if buffer is None or buffer.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
+        if key[1].type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{owner} needs {n} counters while a CUDA graph is captured; "
                                "run the same shapes once before capturing")
         buffer = _counters[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
