@@ -16,7 +16,7 @@ import pytest
 
 # (module, kernel, pointer dtypes by parameter name, float parameters, constexprs) per configuration.
 BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "block_tables_ptr": "*i32",
-                  "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "counter_ptr": "*i32"}
+                  "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
 DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False)
 PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False)
@@ -37,6 +37,7 @@ def configurations():
         "decode bf16": (attention, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (attention, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                        {**DECODE, **fp16, "FP8": True, "BLOCK_N": 128, "NUM_SPLITS": 1}),
+        "decode reduce": (attention, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [], dict(D=128, NUM_SPLITS=4)),
         "prefill bf16": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
         "prefill fp8": (attention, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                         {**PREFILL, **fp16, "FP8": True}),

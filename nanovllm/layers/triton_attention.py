@@ -5,11 +5,6 @@ contiguous). Token t of sequence b lives in block block_tables[b, t // block_siz
 t % block_size. The softmax runs in the log2 domain (exp2, with scale * log2(e) folded into the
 logits) and accumulates in float32.
 
-Split-K decode is one launch: each of a (sequence, kv head)'s NUM_SPLITS programs stores its partial
-softmax and counts itself in a per-(sequence, kv head) counter (utils.device.zeroed_counters); the last
-to arrive merges the partials in split order, so the result does not depend on arrival order, and
-resets the counter to zero for the next launch.
-
 fp8 KV cache: k_cache, v_cache are float8_e4m3fn and k_scale, v_scale [num_blocks, num_kv_heads,
 block_size] float32 hold each token's per-head scale (cached value = x / scale, see
 attention.quantize_fp8), so the scales a tile needs for one kv head are contiguous. The scales are
@@ -26,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.utils.device import num_sms, zeroed_counters
+from nanovllm.utils.device import num_sms
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free for rows that
@@ -95,38 +90,14 @@ def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
 
 
 @triton.jit
-def _merge_splits(acc_ptr, m_ptr, l_ptr, first_row, row_mask, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Normalized output [R, D] float32 of R rows from their NUM_SPLITS partial softmaxes (row r's
-    split s at first_row[r] + s), summed in split order so the result does not depend on which
-    program merges. Loads with .cg (from L2): the partials were written by other programs."""
-    splits = first_row[:, None] + tl.arange(0, NUM_SPLITS)[None, :]  # [R, NUM_SPLITS]
-    m_max = tl.max(tl.load(m_ptr + splits, mask=row_mask[:, None], other=0.0, cache_modifier=".cg"), 1)
-    d = tl.arange(0, D)
-    denom = tl.zeros_like(m_max)
-    out = tl.zeros([first_row.shape[0], D], tl.float32)
-    for s in range(NUM_SPLITS):
-        row = first_row + s
-        w = tl.exp2(tl.load(m_ptr + row, mask=row_mask, other=0.0, cache_modifier=".cg") - m_max)
-        denom += w * tl.load(l_ptr + row, mask=row_mask, other=0.0, cache_modifier=".cg")
-        out += w[:, None] * tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=row_mask[:, None], other=0.0,
-                                    cache_modifier=".cg")
-    return out / tl.where(denom == 0.0, 1.0, denom)[:, None]  # context_len 0 -> zeros
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ptr, m_ptr,
-    l_ptr, counter_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
+    l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
     stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
 ):
-    """Grid (B, KVH, NUM_SPLITS): the G query heads of one kv head over one split of the context.
-
-    With NUM_SPLITS > 1 each program stores its partial softmax (m, l, acc) and counts itself in
-    counter_ptr[seq, kv_head]; the last of the (seq, kv_head)'s programs to arrive merges the partials,
-    writes the output and resets the counter to 0.
-    """
+    """Grid (B, KVH, NUM_SPLITS): the G query heads of one kv head over one split of the context."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -160,23 +131,27 @@ def _decode_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 -> zeros
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_mask)
-        return
-    # partials: m, l [B, H, NUM_SPLITS], acc [B, H, NUM_SPLITS, D], float32, contiguous
-    first_row = (seq * tl.num_programs(1) * G + heads) * NUM_SPLITS  # [G_PAD], each head's split 0
-    row = first_row + split
-    tl.store(m_ptr + row, m_i, mask=g < G)
-    tl.store(l_ptr + row, l_i, mask=g < G)
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=head_mask)
-    # Memory ordering: the barrier orders every thread's partial stores before the atomic (one thread
-    # runs it); its gpu-scope release then publishes them, and its acquire makes the partials of the
-    # programs counted before this one visible to the last, whose merge reads them from L2 (.cg).
-    tl.debug_barrier()
-    counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-        out = _merge_splits(acc_ptr, m_ptr, l_ptr, first_row, g < G, D, NUM_SPLITS)
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_mask)
-        tl.store(counter, 0)  # every program has counted: zero again for the next launch
+    else:  # partials: m, l [B, H, NUM_SPLITS], acc [B, H, NUM_SPLITS, D], float32, contiguous
+        row = (seq * tl.num_programs(1) * G + heads) * NUM_SPLITS + split  # [G_PAD]
+        tl.store(m_ptr + row, m_i, mask=g < G)
+        tl.store(l_ptr + row, l_i, mask=g < G)
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
+                          D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Grid (B, H): merge the NUM_SPLITS partial softmaxes of one (sequence, head)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s  # [NUM_SPLITS]
+    m = tl.load(m_ptr + row)
+    w = tl.exp2(m - tl.max(m, 0))  # [NUM_SPLITS]
+    denom = tl.sum(w * tl.load(l_ptr + row), 0)
+    acc = tl.load(acc_ptr + row[:, None] * D + tl.arange(0, D)[None, :])  # [NUM_SPLITS, D]
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -296,8 +271,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     context_lens: int32 [B] (0 = padding row: output zeros, no KV read). Returns [B, H, D] in q.dtype.
     k_scale, v_scale: [num_blocks, KVH, block_size] float32, given iff the cache is float8_e4m3fn.
     out: optional [B, H, D] destination. num_splits (a power of two), block_n, num_warps and
-    num_stages override the launch heuristics (_decode_num_splits, _decode_tile). CUDA-graph capturable
-    after an uncaptured call of the same shapes (which allocates the split counters).
+    num_stages override the launch heuristics (_decode_num_splits, _decode_tile).
     """
     B, H, D = q.shape
     _, page, kvh, _ = k_cache.shape
@@ -312,22 +286,24 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if num_splits is None:
         num_splits = _decode_num_splits(B, kvh, block_tables.shape[1] * page, q.device)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-    if num_splits > 1:  # per-split running max, sum and unnormalized output; arrivals per (seq, kv head)
+    if num_splits > 1:  # per-split running max, sum and unnormalized output
         part_max = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
-        counters = zeroed_counters("paged_decode_attention", q.device, B * kvh)
     else:
-        part_max = part_sum = part_acc = counters = out  # unused
+        part_max = part_sum = part_acc = out  # unused
     k_scale, v_scale, stride_sb, stride_sh = _scale_args(k_cache, v_cache, k_scale, v_scale)
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, part_acc, part_max, part_sum,
-        counters, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_sh, block_tables.stride(0),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q),
         num_warps=num_warps, num_stages=num_stages,
     )
+    if num_splits > 1:
+        _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+                                      D=D, NUM_SPLITS=num_splits, num_warps=4)
     return out
 
 
