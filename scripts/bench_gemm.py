@@ -3,7 +3,7 @@ for an H200).
 
     python scripts/bench_gemm.py            # Qwen3-0.6B and -8B linear shapes at M = 1..16 (~20 s)
     python scripts/bench_gemm.py --sweep    # also search launch configs at M = 1 and 8 (~2 min more)
-    python scripts/bench_gemm.py --chain    # 28 layers of Qwen3-0.6B's decode linears, fused or not
+    python scripts/bench_gemm.py --chain    # only 28 layers of Qwen3-0.6B's decode linears, launch variants
 
 bf16, y = x [M, K] @ weight [N, K].T. Times are medians of triton.testing.do_bench over CUDA-graph
 replays of the one op (GPU time without host launch overhead, as in the engine's decode graphs;
@@ -68,34 +68,41 @@ def run_default(copy_bw):
             default_row(model, layer, N, K, M, copy_bw)
 
 
-def layer_chain(M, layers, fused_norm, fused_silu, split_k=None):
+# Per-projection launch overrides of the chain's variants (None: F.linear, i.e. cuBLAS).
+CHAIN_VARIANTS = {
+    "default": {},
+    "cuBLAS": None,
+    "no split-K": {name: dict(split_k=1) for name in ("qkv", "o", "gate_up", "down")},
+    "sweep best": dict(qkv=dict(split_k=1), gate_up=dict(block_k=64, split_k=1)),
+}
+
+
+def layer_chain(M, layers, overrides):
     """A function running `layers` of Qwen3-0.6B's decode linears as the engine does, attention aside:
-    [add + RMSNorm, qkv] [o] [add + RMSNorm, gate_up] [SiLU-and-mul, down], each bracket one fused
-    kernel or the separate ops (torch.compile'd norm / activation)."""
+    add + RMSNorm, qkv, o, add + RMSNorm, gate_up, SiLU-and-mul, down (norm and activation
+    torch.compile'd), each projection by the skinny GEMM with `overrides[name]` or by cuBLAS."""
     hidden, inter = 1024, 3072
     weights = [dict(qkv=torch.randn(4096, hidden, dtype=DTYPE, device=DEV) / 32,
                     o=torch.randn(hidden, 2048, dtype=DTYPE, device=DEV) / 45,
                     gate_up=torch.randn(2 * inter, hidden, dtype=DTYPE, device=DEV) / 32,
-                    down=torch.randn(hidden, inter, dtype=DTYPE, device=DEV) / 55,
-                    norm=torch.ones(hidden, dtype=DTYPE, device=DEV)) for _ in range(layers)]
+                    down=torch.randn(hidden, inter, dtype=DTYPE, device=DEV) / 55) for _ in range(layers)]
+    norm = torch.ones(hidden, dtype=DTYPE, device=DEV)
     x0 = torch.randn(M, hidden, dtype=DTYPE, device=DEV)
     attn_out = torch.randn(M, 2048, dtype=DTYPE, device=DEV)
-    kw = dict(split_k=split_k)
 
-    def norm_linear(x, residual, w, norm):
-        if fused_norm:
-            return sg.skinny_add_rms_norm_linear(x, residual, norm, 1e-6, w, **kw)
-        x, residual = add_rms_norm(x, residual, norm, 1e-6)
-        return sg.skinny_linear(x, w, **kw), residual
+    def linear(name, x, weight):
+        if overrides is None:
+            return F.linear(x, weight)
+        return sg.skinny_linear(x, weight, **overrides.get(name, {}))
 
     def run():
         x, residual = x0, x0
         for w in weights:
-            _, residual = norm_linear(x, residual, w["qkv"], w["norm"])
-            x = sg.skinny_linear(attn_out, w["o"], **kw)
-            gate_up, residual = norm_linear(x, residual, w["gate_up"], w["norm"])
-            x = (sg.skinny_silu_and_mul_linear(gate_up, w["down"], **kw) if fused_silu
-                 else sg.skinny_linear(silu_and_mul(gate_up), w["down"], **kw))
+            h, residual = add_rms_norm(x, residual, norm, 1e-6)
+            linear("qkv", h, w["qkv"])  # attention aside: o_proj reads a fixed attention output
+            x = linear("o", attn_out, w["o"])
+            h, residual = add_rms_norm(x, residual, norm, 1e-6)
+            x = linear("down", silu_and_mul(linear("gate_up", h, w["gate_up"])), w["down"])
         return x
 
     return run
@@ -103,14 +110,12 @@ def layer_chain(M, layers, fused_norm, fused_silu, split_k=None):
 
 def run_chain():
     layers = 28
-    emit(f"== {layers} layers of Qwen3-0.6B decode linears (attention aside), CUDA graph; us per layer")
-    emit(f"{'M':>3} {'separate':>9} {'fused silu':>10} {'fused both':>10} {'separate, split 1':>17} "
-         f"{'fused both, split 1':>19}")
+    emit(f"== {layers} layers of Qwen3-0.6B decode linears + norms + SiLU (attention aside), one CUDA graph; "
+         "us per layer")
+    emit(f"{'M':>3} " + " ".join(f"{name:>11}" for name in CHAIN_VARIANTS))
     for M in (1, 8):
-        times = [bench(layer_chain(M, layers, norm, silu, split)) * 1e3 / layers
-                 for norm, silu, split in ((False, False, None), (False, True, None), (True, True, None),
-                                           (False, False, 1), (True, True, 1))]
-        emit(f"{M:>3} " + " ".join(f"{t:{w}.2f}" for t, w in zip(times, (9, 10, 10, 17, 19))))
+        times = [bench(layer_chain(M, layers, overrides)) * 1e3 / layers for overrides in CHAIN_VARIANTS.values()]
+        emit(f"{M:>3} " + " ".join(f"{t:11.2f}" for t in times))
 
 
 TILES = [(bn, bk) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
@@ -163,7 +168,8 @@ def sweep_shape(model, layer, N, K, M):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also search launch configs at M = 1 and 8")
-    parser.add_argument("--chain", action="store_true", help="only time 28 layers of decode linears, fused or not")
+    parser.add_argument("--chain", action="store_true",
+                        help="only time 28 layers of decode linears under launch variants")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()

@@ -20,10 +20,6 @@ BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
 DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False)
 PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False)
-SKINNY = {name: "*bf16" for name in ("x_ptr", "res_ptr", "norm_ptr", "res_out_ptr", "w_ptr", "b_ptr", "y_ptr")}
-SKINNY = {**SKINNY, "counter_ptr": "*i32"}
-SKINNY_CONSTEXPRS = dict(PROLOGUE=0, HAS_RESIDUAL=False, HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
-                         BLOCK_K=128, SPLIT_K=4)
 STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
 
 
@@ -32,7 +28,6 @@ def configurations():
 
     fp16 = dict(FP8_COMPUTE=tl.float16)
     attention = "nanovllm.layers.triton_attention"
-    skinny = "nanovllm.layers.skinny_gemm"
     return {
         "decode bf16": (attention, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (attention, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
@@ -49,11 +44,11 @@ def configurations():
                        "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64"}, [], {**STORE, "FP8": True}),
         "sampler": ("nanovllm.layers.sampler", "_sample_kernel", {"logits_ptr": "*bf16", "tokens_ptr": "*i64"}, [],
                     dict(BLOCK=4096)),
-        "skinny gemm": (skinny, "_skinny_kernel", SKINNY, ["eps"], SKINNY_CONSTEXPRS),
-        "skinny gemm, add + rms norm": (skinny, "_skinny_kernel", SKINNY, ["eps"],
-                                        {**SKINNY_CONSTEXPRS, "PROLOGUE": 1, "HAS_RESIDUAL": True}),
-        "skinny gemm, silu and mul": (skinny, "_skinny_kernel", SKINNY, ["eps"],
-                                      {**SKINNY_CONSTEXPRS, "PROLOGUE": 2, "EVEN_K": False}),
+        "skinny gemm": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
+                        {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}, [],
+                        dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4)),
+        "skinny split-k reduce": ("nanovllm.layers.skinny_gemm", "_split_k_reduce_kernel",
+                                  {"b_ptr": "*bf16", "y_ptr": "*bf16"}, [], dict(HAS_BIAS=True, BLOCK=1024, SPLIT_K=4)),
         "q/k norm + rope": ("nanovllm.layers.qk_norm_rope", "_qk_norm_rope_kernel",
                             {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
                              "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16"}, ["eps"],

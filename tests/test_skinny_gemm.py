@@ -1,5 +1,4 @@
-"""The skinny GEMM (decode linear layers) vs a float32 torch reference, its fused prologues vs the
-torch ops they replace, and its dispatch in linear().
+"""The skinny GEMM (decode linear layers) vs a float32 torch reference, and its dispatch in linear().
 
 On CPU the kernels run under the Triton interpreter in float16 (the interpreter multiplies bfloat16
 tiles as integers, so bfloat16 is tested on CUDA only). With CUDA, bf16 at Qwen3-0.6B shapes against
@@ -17,11 +16,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.layers import linear as linear_module  # noqa: E402
-from nanovllm.layers.activation import silu_and_mul  # noqa: E402
-from nanovllm.layers.layernorm import add_rms_norm, rms_norm  # noqa: E402
-from nanovllm.layers.skinny_gemm import (SKINNY_MAX_ROWS, launch_config, skinny_add_rms_norm_linear,  # noqa: E402
-                                         skinny_linear, skinny_silu_and_mul_linear)
-from nanovllm.utils.device import zeroed_counters  # noqa: E402
+from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, launch_config, skinny_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -80,46 +75,6 @@ def test_strided_rows():
     assert x.stride(0) != K
     check(skinny_linear(x, weight, b, block_n=32, block_k=32, split_k=1), x, weight, b)
     check(skinny_linear(x, weight, b, block_n=32, block_k=32, split_k=2), x, weight, b)
-
-
-def test_split_k_counters_are_reset():
-    """The last program of each column tile resets its arrival counter: a second call with other inputs
-    sums only its own partials, and the counters are all zero after each call."""
-    for seed in (0, 1):
-        x, weight, b = make_inputs(3, 100, 256, torch.float16, bias=True, seed=seed)
-        check(skinny_linear(x, weight, b, block_n=16, block_k=32, split_k=4), x, weight, b)
-        assert zeroed_counters("skinny_gemm", torch.device(DEVICE), 1).count_nonzero().item() == 0
-
-
-@pytest.mark.parametrize("M, K", [(1, 64), (5, 200)])  # ragged K: K % BLOCK_K != 0
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_add_rms_norm_prologue(M, K, with_residual, split_k):
-    """Equal to the torch ops run eagerly (layernorm's add_rms_norm / rms_norm, then the projection) up to
-    the float32 sum orders: the new residual exactly, y to the GEMM's tolerance."""
-    x, weight, b = make_inputs(M, 48, K, torch.float16, bias=True)
-    gen = torch.Generator().manual_seed(7)
-    residual = torch.randn(M, K, generator=gen).to(DEVICE, torch.float16) if with_residual else None
-    norm_weight = (1 + torch.rand(K, generator=gen)).to(DEVICE, torch.float16)
-    y, new_residual = skinny_add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight, b,
-                                                 block_n=16, block_k=64, split_k=split_k)
-    if with_residual:
-        normed, expected_residual = add_rms_norm.__wrapped__(x, residual, norm_weight, 1e-6)
-        assert torch.equal(new_residual, expected_residual)
-    else:
-        normed = rms_norm.__wrapped__(x, norm_weight, 1e-6)
-        assert new_residual is x
-    check(y, normed, weight, b)
-
-
-@pytest.mark.parametrize("M, K", [(1, 64), (4, 200)])
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_silu_and_mul_prologue(M, K, split_k):
-    gen = torch.Generator().manual_seed(3)
-    gate_up = (2 * torch.randn(M, 2 * K, generator=gen)).to(DEVICE, torch.float16)
-    _, weight, b = make_inputs(M, 40, K, torch.float16, bias=True)
-    y = skinny_silu_and_mul_linear(gate_up, weight, b, block_n=16, block_k=64, split_k=split_k)
-    check(y, silu_and_mul.__wrapped__(gate_up), weight, b)
 
 
 def test_no_rows():
@@ -186,25 +141,3 @@ def test_linear_dispatch_on_cuda(monkeypatch, M, uses_skinny):
     y = linear_module.linear(x, weight, b)
     assert calls == ([M] if uses_skinny else [])
     torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1.6e-2, atol=1e-3)
-
-
-@needs_cuda
-@pytest.mark.parametrize("M", [1, 7, SKINNY_MAX_ROWS])
-def test_qwen3_prologues_match_separate_ops(M):
-    """At Qwen3-0.6B's shapes in bf16, the fused prologues against the ops they replace run eagerly (as
-    transformers runs them; the torch.compile'd versions skip intermediate roundings), then cuBLAS: the
-    residual exactly, y within a bf16 rounding (the normed x may round differently: sum-of-squares order)."""
-    gen = torch.Generator().manual_seed(M)
-    hidden, inter = 1024, 3072
-    x, residual = (torch.randn(2, M, hidden, generator=gen) / 4).to(DEVICE, torch.bfloat16)
-    norm_weight = (1 + torch.rand(hidden, generator=gen)).to(DEVICE, torch.bfloat16)
-    gate_up_weight = (torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5).to(DEVICE, torch.bfloat16)
-    down_weight = (torch.randn(hidden, inter, generator=gen) / inter ** 0.5).to(DEVICE, torch.bfloat16)
-
-    gate_up, new_residual = skinny_add_rms_norm_linear(x, residual, norm_weight, 1e-6, gate_up_weight)
-    normed, expected_residual = add_rms_norm.__wrapped__(x, residual, norm_weight, 1e-6)
-    assert torch.equal(new_residual, expected_residual)
-    torch.testing.assert_close(gate_up, F.linear(normed, gate_up_weight), rtol=1.6e-2, atol=2e-3)
-
-    y = skinny_silu_and_mul_linear(gate_up, down_weight)
-    torch.testing.assert_close(y, F.linear(silu_and_mul.__wrapped__(gate_up), down_weight), rtol=1.6e-2, atol=2e-3)

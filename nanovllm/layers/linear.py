@@ -5,10 +5,7 @@ features and all-reduce the partial sums. Each parameter has a `weight_loader` t
 rank's slice of a checkpoint tensor.
 
 On CUDA, a few 16-bit rows (decode) go through the skinny GEMM, which reads the weight faster than
-cuBLAS does at that size, and which also runs the small op before a projection in the same kernel:
-`forward_normed` (residual add + RMSNorm, then a column-parallel projection) and
-`forward_silu_and_mul` (SiLU-and-mul, then a row-parallel projection). Everything else goes through
-the separate ops and F.linear.
+cuBLAS does at that size; everything else through F.linear.
 """
 
 import torch
@@ -16,25 +13,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.skinny_gemm import (SKINNY_MAX_ROWS, skinny_add_rms_norm_linear, skinny_linear,
-                                         skinny_silu_and_mul_linear)
+from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, skinny_linear
 
 
 def tp_rank_and_size() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def uses_skinny_gemm(x: torch.Tensor) -> bool:
-    """x [M <= SKINNY_MAX_ROWS, K] 16-bit on CUDA, last dim contiguous."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1
-            and x.dtype in (torch.bfloat16, torch.float16))
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), by the skinny GEMM where uses_skinny_gemm(x)."""
-    if uses_skinny_gemm(x):
+    """F.linear(x, weight, bias), by the skinny GEMM for x [M <= SKINNY_MAX_ROWS, K] 16-bit on CUDA."""
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16)):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -86,17 +75,6 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x, residual)), the new residual): a pre-norm block's residual add + RMSNorm and this
-        projection; without a residual (first layer) the norm of x, and x is the residual."""
-        if uses_skinny_gemm(x) and norm.weight.dtype == x.dtype and (residual is None or residual.is_contiguous()):
-            return skinny_add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        if residual is None:
-            return self(norm(x)), x
-        x, residual = norm(x, residual)
-        return self(x), residual
-
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections stored as one (gate_proj + up_proj -> gate_up_proj)."""
@@ -140,19 +118,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(linear(x, self.weight, self._rank_bias()))
-
-    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu_and_mul(gate_up)) for gate_up [M, 2K] = [gate | up]."""
-        if uses_skinny_gemm(gate_up):
-            return self._reduce(skinny_silu_and_mul_linear(gate_up, self.weight, self._rank_bias()))
-        return self(silu_and_mul(gate_up))
-
-    def _rank_bias(self) -> torch.Tensor | None:
-        """The bias is added once, on rank 0, before the partial sums are reduced."""
-        return self.bias if self.tp_rank == 0 else None
-
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, on rank 0, before the partial sums are reduced.
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

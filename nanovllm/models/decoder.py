@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nanovllm.config import head_dim
+from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -45,8 +46,8 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention from the qkv projection's output (DecoderLayer runs qkv_proj with the pre-norm)."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
         q, k = self.norm_rope(positions, qkv, fused=qkv.is_cuda)
         v = qkv[:, -self.num_kv_heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)  # a view of qkv
         out = self.attn(q, k, v, meta)
@@ -76,10 +77,10 @@ class DecoderMLP(nn.Module):
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=options.mlp_bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias=options.mlp_bias)
+        self.act_fn = SiluAndMul()
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP from gate_up_proj's output (DecoderLayer runs gate_up_proj with the pre-norm)."""
-        return self.down_proj.forward_silu_and_mul(gate_up)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -91,13 +92,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 
     def forward(self, positions, hidden_states, residual, meta: AttentionMetadata):
-        # Each pre-norm (residual add + RMSNorm) runs with the projection after it, in one kernel
-        # where they can fuse (ColumnParallelLinear.forward_normed). residual is None in the first layer.
-        qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden_states, residual, self.input_layernorm)
-        hidden_states = self.self_attn(positions, qkv, meta)
-        gate_up, residual = self.mlp.gate_up_proj.forward_normed(hidden_states, residual,
-                                                                 self.post_attention_layernorm)
-        return self.mlp(gate_up), residual
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, meta)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class DecoderModel(nn.Module):
