@@ -12,7 +12,9 @@ The table is printed and, if $OUT is set, written to $OUT/bench_gemm.txt.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import time
 
 import torch
@@ -21,8 +23,8 @@ import triton
 from gpu_timing import bench, copy_bandwidth, emit, save_report  # scripts/gpu_timing.py
 
 from nanovllm.layers import skinny_gemm as sg
-from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.layernorm import add_rms_norm
+from nanovllm.layers.activation import silu_and_mul_triton
+from nanovllm.layers.layernorm import RMSNorm
 
 DTYPE = torch.bfloat16
 DEV = "cuda"
@@ -68,25 +70,41 @@ def run_default(copy_bw):
             default_row(model, layer, N, K, M, copy_bw)
 
 
-# Per-projection launch overrides of the chain's variants (None: F.linear, i.e. cuBLAS).
+SWEEP_BEST = dict(qkv=dict(split_k=1), gate_up=dict(block_k=64, split_k=1))
+# Variants of the chain: the skinny GEMM's per-projection launch overrides (None: cuBLAS) and whether
+# the Triton kernels use programmatic dependent launch (NANOVLLM_PDL).
 CHAIN_VARIANTS = {
-    "default": {},
-    "cuBLAS": None,
-    "no split-K": {name: dict(split_k=1) for name in ("qkv", "o", "gate_up", "down")},
-    "sweep best": dict(qkv=dict(split_k=1), gate_up=dict(block_k=64, split_k=1)),
+    "default": dict(linear={}, pdl=True),
+    "no PDL": dict(linear={}, pdl=False),
+    "cuBLAS": dict(linear=None, pdl=True),
+    "sweep best": dict(linear=SWEEP_BEST, pdl=True),
 }
+
+
+@contextlib.contextmanager
+def pdl_setting(enabled: bool):
+    previous = os.environ.get("NANOVLLM_PDL")
+    os.environ["NANOVLLM_PDL"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["NANOVLLM_PDL"]
+        else:
+            os.environ["NANOVLLM_PDL"] = previous
 
 
 def layer_chain(M, layers, overrides):
     """A function running `layers` of Qwen3-0.6B's decode linears as the engine does, attention aside:
-    add + RMSNorm, qkv, o, add + RMSNorm, gate_up, SiLU-and-mul, down (norm and activation
-    torch.compile'd), each projection by the skinny GEMM with `overrides[name]` or by cuBLAS."""
+    add + RMSNorm, qkv, o, add + RMSNorm, gate_up, SiLU-and-mul, down; each projection by the skinny GEMM
+    with overrides[name] or, with overrides None, by cuBLAS."""
     hidden, inter = 1024, 3072
+    torch.manual_seed(0)  # every variant gets the same weights and inputs
     weights = [dict(qkv=torch.randn(4096, hidden, dtype=DTYPE, device=DEV) / 32,
                     o=torch.randn(hidden, 2048, dtype=DTYPE, device=DEV) / 45,
                     gate_up=torch.randn(2 * inter, hidden, dtype=DTYPE, device=DEV) / 32,
                     down=torch.randn(hidden, inter, dtype=DTYPE, device=DEV) / 55) for _ in range(layers)]
-    norm = torch.ones(hidden, dtype=DTYPE, device=DEV)
+    norm = RMSNorm(hidden).to(DEV, DTYPE)
     x0 = torch.randn(M, hidden, dtype=DTYPE, device=DEV)
     attn_out = torch.randn(M, 2048, dtype=DTYPE, device=DEV)
 
@@ -98,11 +116,11 @@ def layer_chain(M, layers, overrides):
     def run():
         x, residual = x0, x0
         for w in weights:
-            h, residual = add_rms_norm(x, residual, norm, 1e-6)
+            h, residual = norm(x, residual)
             linear("qkv", h, w["qkv"])  # attention aside: o_proj reads a fixed attention output
             x = linear("o", attn_out, w["o"])
-            h, residual = add_rms_norm(x, residual, norm, 1e-6)
-            x = linear("down", silu_and_mul(linear("gate_up", h, w["gate_up"])), w["down"])
+            h, residual = norm(x, residual)
+            x = linear("down", silu_and_mul_triton(linear("gate_up", h, w["gate_up"])), w["down"])
         return x
 
     return run
@@ -114,8 +132,24 @@ def run_chain():
          "us per layer")
     emit(f"{'M':>3} " + " ".join(f"{name:>11}" for name in CHAIN_VARIANTS))
     for M in (1, 8):
-        times = [bench(layer_chain(M, layers, overrides)) * 1e3 / layers for overrides in CHAIN_VARIANTS.values()]
+        times = []
+        for variant in CHAIN_VARIANTS.values():
+            with pdl_setting(variant["pdl"]):
+                times.append(bench(layer_chain(M, layers, variant["linear"])) * 1e3 / layers)
         emit(f"{M:>3} " + " ".join(f"{t:11.2f}" for t in times))
+    # The same kernels launched with and without PDL must agree bit for bit, eagerly and from a graph.
+    for M in (1, 8):
+        with pdl_setting(False):
+            expected = layer_chain(M, layers, {})()
+        with pdl_setting(True):
+            chain = layer_chain(M, layers, {})
+            eager = chain()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = chain()
+            graph.replay()
+        emit(f"M={M}: with PDL equal to without: eager {torch.equal(eager, expected)}, "
+             f"graph {torch.equal(replayed, expected)}")
 
 
 TILES = [(bn, bk) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)

@@ -18,7 +18,7 @@ import pytest
 BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "block_tables_ptr": "*i32",
                   "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
-DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False)
+DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False, PDL=True)
 PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False)
 STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
 
@@ -32,7 +32,8 @@ def configurations():
         "decode bf16": (attention, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (attention, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                        {**DECODE, **fp16, "FP8": True, "BLOCK_N": 128, "NUM_SPLITS": 1}),
-        "decode reduce": (attention, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [], dict(D=128, NUM_SPLITS=4)),
+        "decode reduce": (attention, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [],
+                          dict(D=128, NUM_SPLITS=4, PDL=True)),
         "prefill bf16": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
         "prefill fp8": (attention, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                         {**PREFILL, **fp16, "FP8": True}),
@@ -46,9 +47,19 @@ def configurations():
                     dict(BLOCK=4096)),
         "skinny gemm": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
                         {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}, [],
-                        dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4)),
+                        dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, PDL=True,
+                             PREFETCH_LINES=8)),
         "skinny split-k reduce": ("nanovllm.layers.skinny_gemm", "_split_k_reduce_kernel",
-                                  {"b_ptr": "*bf16", "y_ptr": "*bf16"}, [], dict(HAS_BIAS=True, BLOCK=1024, SPLIT_K=4)),
+                                  {"b_ptr": "*bf16", "y_ptr": "*bf16"}, [],
+                                  dict(HAS_BIAS=True, BLOCK=1024, SPLIT_K=4, PDL=True)),
+        "rms norm": ("nanovllm.layers.layernorm", "_rms_norm_kernel",
+                     {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}, ["eps"],
+                     dict(HAS_RESIDUAL=True, BLOCK=1024, PDL=True)),
+        "rms norm, no residual": ("nanovllm.layers.layernorm", "_rms_norm_kernel",
+                                  {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")},
+                                  ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096, PDL=False)),
+        "silu and mul": ("nanovllm.layers.activation", "_silu_and_mul_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16"},
+                         [], dict(BLOCK=1024, PDL=True)),
         "q/k norm + rope": ("nanovllm.layers.qk_norm_rope", "_qk_norm_rope_kernel",
                             {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
                              "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16"}, ["eps"],

@@ -42,13 +42,13 @@ def make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, devi
 
 
 def reference(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_weight, k_weight):
-    """DecoderAttention's torch path, eager (not torch.compile'd on CUDA)."""
+    """DecoderAttention's torch path."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q, k = q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim)
     if q_weight is not None:
-        q, k = rms_norm.__wrapped__(q, q_weight, EPS), rms_norm.__wrapped__(k, k_weight, EPS)
-    return apply_rope.__wrapped__(positions, q, k, cos_sin_cache)
+        q, k = rms_norm(q, q_weight, EPS), rms_norm(k, k_weight, EPS)
+    return apply_rope(positions, q, k, cos_sin_cache)
 
 
 def head_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:

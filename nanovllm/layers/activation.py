@@ -1,18 +1,53 @@
+"""SiLU-and-mul (SwiGLU's activation): one Triton kernel on CUDA, the torch ops elsewhere."""
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import nn
 
-from nanovllm.utils.compile import compiled_on_cuda
+from nanovllm.utils.device import pdl_enabled
 
 
-@compiled_on_cuda
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Grid (M, cdiv(N, BLOCK)): out[m, n] = silu(x[m, n]) * x[m, N + n], each op rounded as in torch."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + row * N + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] (gate, up) -> [..., d] silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul as one kernel, for x contiguous."""
+    N = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], N)
+    rows = x.numel() // (2 * N) if N else 0
+    if rows:
+        block = min(1024, triton.next_power_of_2(N))
+        pdl = pdl_enabled(x.device)
+        _silu_and_mul_kernel[(rows, triton.cdiv(N, block))](x, out, N, BLOCK=block, PDL=pdl, num_warps=4,
+                                                            launch_pdl=pdl)
+    return out
+
+
 class SiluAndMul(nn.Module):
-    """[..., 2 * d] (gate, up) -> [..., d] silu(gate) * up."""
+    """[..., 2 * d] (gate, up) -> [..., d] silu(gate) * up: the Triton kernel on CUDA, torch elsewhere."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.is_contiguous():
+            return silu_and_mul_triton(x)
         return silu_and_mul(x)

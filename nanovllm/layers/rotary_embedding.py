@@ -6,10 +6,8 @@ import torch
 from torch import nn
 
 from nanovllm.config import SUPPORTED_ROPE_TYPES, rope_parameters
-from nanovllm.utils.compile import compiled_on_cuda
 
 
-@compiled_on_cuda
 def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
 

@@ -8,6 +8,11 @@ wgmma) and the 16 padded rows of x the narrow N side, instead of 48 of 64 MMA ro
 When N / BLOCK_N gives too few programs to keep every SM streaming, K is split across SPLIT_K
 programs too; they write float32 partials that a second small kernel sums (deterministic, unlike
 atomics). Nothing depends on tensor values, so the launch is CUDA-graph safe.
+
+At decode sizes a kernel's launch and its first weight reads take as long as the rest of it. With
+programmatic dependent launch (utils.device.pdl_enabled) the kernel starts while the one before it
+(norm, activation, attention) still runs: each program asks L2 for the start of its weight slice,
+which no earlier kernel writes, and only then waits for that kernel's output, x.
 """
 
 import dataclasses
@@ -16,9 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.utils.device import num_sms
+from nanovllm.utils.device import num_sms, pdl_enabled
 
 SKINNY_MAX_ROWS = 16
+# With PDL, lines of 64 16-bit weights (128 bytes) each weight row of a program prefetches into L2 before
+# waiting for the kernel before: 16 lines of 64 rows are 128 KiB per program, 8 prefetches per thread.
+PREFETCH_MAX_LINES = 16
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,9 +52,17 @@ def launch_config(N: int, K: int, sms: int) -> LaunchConfig:
 
 
 @triton.jit
+def _prefetch_to_l2(ptrs):
+    """Start fetching the 128-byte lines holding ptrs into L2 (no register is written)."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): output features n of all rows, over one split of K.
 
     SPLIT_K == 1: out is y [M, N] (stride_om), bias added. Else out is float32 partials
@@ -62,6 +78,14 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, 
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: tiles never straddle splits
     k_end = tl.minimum(k_start + k_per_split, K)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # No earlier kernel writes the weight: fetch the start of this program's slice (up to
+        # PREFETCH_LINES lines of each row) into L2 while the kernel before finishes, then wait for x.
+        line_k = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 64, k_end - 1)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        _prefetch_to_l2(w_ptr + rows[:, None] * K + line_k[None, :])
+        tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
@@ -87,8 +111,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, 
 
 @triton.jit
 def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (M, cdiv(N, BLOCK)): y[m, n] = sum over splits of partials [SPLIT_K, M, N] (+ bias[n])."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs_n < N
@@ -123,16 +150,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(K, k_per_split)
     out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    pdl = pdl_enabled(x.device)
     _skinny_kernel[(triton.cdiv(N, config.block_n), splits)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), y.stride(0), k_per_split,
         HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=splits,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=pdl, PREFETCH_LINES=min(PREFETCH_MAX_LINES, triton.next_power_of_2(triton.cdiv(k_per_split, 64))),
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     if splits > 1:
         block = 1024
         _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
             out, bias if bias is not None else weight, y, M, N, y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, SPLIT_K=splits, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK=block, SPLIT_K=splits, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return y

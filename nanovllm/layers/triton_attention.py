@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.utils.device import num_sms
+from nanovllm.utils.device import num_sms, pdl_enabled
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free for rows that
@@ -96,8 +96,12 @@ def _decode_kernel(
     stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (B, KVH, NUM_SPLITS): the G query heads of one kv head over one split of the context."""
+    if PDL:  # launched while the KV store runs; read nothing before it has finished
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,8 +144,11 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
-                          D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                          D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     """Grid (B, H): merge the NUM_SPLITS partial softmaxes of one (sequence, head)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -293,17 +300,18 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     else:
         part_max = part_sum = part_acc = out  # unused
     k_scale, v_scale, stride_sb, stride_sh = _scale_args(k_cache, v_cache, k_scale, v_scale)
+    pdl = pdl_enabled(q.device)
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, part_acc, part_max, part_sum,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_sh, block_tables.stride(0),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q),
-        num_warps=num_warps, num_stages=num_stages,
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q), PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-                                      D=D, NUM_SPLITS=num_splits, num_warps=4)
+                                      D=D, NUM_SPLITS=num_splits, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
