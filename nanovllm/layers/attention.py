@@ -40,16 +40,24 @@ class AttentionMetadata:
 
 
 @triton.jit
+def store_fp8_scale(amax, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
+    """The fp8 scale of head(s) `head` of the token in cache slot `slot`, whose largest |element| is
+    amax (float32), as quantize_fp8 computes it; stored at scale_ptr[slot // PAGE, head, slot % PAGE]
+    but for heads >= NUM_KV_HEADS (padding to a power of two)."""
+    scale = tl.maximum(amax, FP8_MIN_AMAX) / FP8_MAX
+    offs = (slot // PAGE) * (NUM_KV_HEADS * PAGE) + head * PAGE + slot % PAGE
+    tl.store(scale_ptr + offs, scale, mask=head < NUM_KV_HEADS)
+    return scale
+
+
+@triton.jit
 def _quantize_fp8(x, scale_ptr, slot, D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                   PAGE: tl.constexpr):
     """x: one token's K or V, [BLOCK_D] = heads of HEAD_DIM flattened (D valid). Stores each head's
-    scale at scale_ptr[slot // PAGE, head, slot % PAGE] and returns x / scale in fp8, as quantize_fp8
-    computes it."""
+    scale (store_fp8_scale) and returns x / scale in fp8, as quantize_fp8 computes it."""
     heads = tl.reshape(x.to(tl.float32), (BLOCK_D // HEAD_DIM, HEAD_DIM))
-    scale = tl.maximum(tl.max(tl.abs(heads), 1), FP8_MIN_AMAX) / FP8_MAX  # [BLOCK_D // HEAD_DIM]
-    h = tl.arange(0, BLOCK_D // HEAD_DIM)
-    offs = (slot // PAGE) * (D // HEAD_DIM * PAGE) + h * PAGE + slot % PAGE
-    tl.store(scale_ptr + offs, scale, mask=h < D // HEAD_DIM)
+    scale = store_fp8_scale(tl.max(tl.abs(heads), 1), scale_ptr, slot, tl.arange(0, BLOCK_D // HEAD_DIM),
+                            D // HEAD_DIM, PAGE)  # [BLOCK_D // HEAD_DIM]
     return tl.reshape(heads / scale[:, None], (BLOCK_D,)).to(tl.float8e4nv)
 
 
@@ -72,6 +80,20 @@ def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_
     tl.store(v_cache_ptr + slot * D + offsets, value, mask=mask)
 
 
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                   v_scale: torch.Tensor | None, num_kv_heads: int, head_dim: int) -> bool:
+    """Asserts what the Triton KV stores assume of a layer's cache (see the module docstring); returns
+    whether it is fp8."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert fp8 == (k_scale is not None), "an fp8 cache comes with its scales"
+    if fp8:
+        assert k_scale.is_contiguous() and v_scale.is_contiguous() and head_dim & (head_dim - 1) == 0
+        assert k_scale.shape == v_scale.shape == (k_cache.size(0), num_kv_heads, k_cache.size(1))
+    return fp8
+
+
 def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None):
@@ -79,14 +101,9 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
     fp8 cache quantized, with the scales written to k_scale, v_scale [num_blocks, num_kv_heads, block_size]."""
     num_tokens, num_kv_heads, head_dim = key.shape
     d = num_kv_heads * head_dim
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and key.stride(1) == head_dim
-    assert value.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert fp8 == (k_scale is not None), "an fp8 cache comes with its scales"
-    if fp8:
-        assert k_scale.is_contiguous() and v_scale.is_contiguous() and head_dim & (head_dim - 1) == 0
-        assert k_scale.shape == v_scale.shape == (k_cache.size(0), num_kv_heads, k_cache.size(1))
-    else:
+    assert key.stride(-1) == value.stride(-1) == 1 and key.stride(1) == value.stride(1) == head_dim
+    fp8 = check_kv_cache(k_cache, v_cache, k_scale, v_scale, num_kv_heads, head_dim)
+    if not fp8:
         k_scale, v_scale = k_cache, v_cache  # unused
     _store_kvcache_kernel[(num_tokens,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache, k_scale,
                                          v_scale, slot_mapping, d, triton.next_power_of_2(d), head_dim,
