@@ -162,8 +162,8 @@ def test_stores_k_and_v_with_rope_only():
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_decoder_attention_fused_path_matches_torch_path(family, tiny_model, tmp_path):
-    """DecoderAttention.norm_rope hands the kernel its layer's head counts, norm weights, eps and
-    cos/sin table (Qwen3: q/k norm; Llama: RoPE only, llama3-scaled)."""
+    """DecoderAttention.norm_rope hands the kernel its layer's head counts, norm weights, eps, cos/sin
+    table (Qwen3: q/k norm; Llama: RoPE only, llama3-scaled) and KV cache, once the pool exists."""
     path = tiny_model
     if family == "llama":
         path = str(tmp_path)
@@ -175,6 +175,18 @@ def test_decoder_attention_fused_path_matches_torch_path(family, tiny_model, tmp
         positions = torch.tensor([0, 1, 17, 500, 1023], device=weight.device)
         fused = attn.norm_rope(positions, qkv, fused=True)
         torch_path = attn.norm_rope(positions, qkv, fused=False)
+        # With slot_mapping the kernel stores the new K/V into the layer's cache.
+        slots = torch.tensor([3, -1, 20, 127, 64], device=weight.device)
+        cache = attn.attn.kv_cache_views()
+        expected = {name: x.clone() for name, x in cache.items() if x is not None}
+        assert all(map(torch.equal, fused, attn.norm_rope(positions, qkv, True, slots)))
+        v = qkv[:, -attn.num_kv_heads * attn.head_dim:].view(5, attn.num_kv_heads, attn.head_dim)
+        store_kvcache_torch(fused[1], v, expected["k_cache"], expected["v_cache"], slots)
+        for name, x in expected.items():
+            torch.testing.assert_close(cache[name], x, rtol=0, atol=0, equal_nan=True)
+        attn.attn.k_cache = torch.tensor([])  # before the pool exists (memory profiling): nothing to store
+        assert attn.attn.kv_cache_views() == {}
+        assert all(map(torch.equal, fused, attn.norm_rope(positions, qkv, True, slots)))
     for out, ref in zip(fused, torch_path):
         assert_matches(out, ref, norm=family == "qwen3")
 

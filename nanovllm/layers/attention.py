@@ -1,7 +1,8 @@
 """Paged attention: the per-step metadata, the KV store, and the backends behind one interface.
 
 Each layer's K/V cache is [num_blocks, block_size, num_kv_heads, head_dim]; token slot s lives at
-block s // block_size, offset s % block_size. A step first writes its new K/V into the cache, then
+block s // block_size, offset s % block_size. A step first writes its new K/V into the cache (the
+Attention layer's store, or on CUDA the model's fused q/k norm + RoPE kernel, qk_norm_rope.py), then
 attends over the cache (or, for prefill without cached prefix on flash-attn, over the new K/V).
 
 With kv_cache_dtype="fp8" the caches are float8_e4m3fn and each layer also has k_scale, v_scale
@@ -214,12 +215,23 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.k_scale = self.v_scale = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    def kv_cache_views(self) -> dict[str, torch.Tensor | None]:
+        """This layer's cache as the keyword arguments of a kernel that stores the new K/V itself
+        (qk_norm_rope; then call forward with kv_stored=True). Empty before the pool exists (the
+        memory-profiling run): then nothing is to be stored."""
+        if self.k_cache.numel() == 0:
+            return {}
+        return dict(k_cache=self.k_cache, v_cache=self.v_cache, k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], stored into
+        the cache at meta.slot_mapping first unless `kv_stored` (already written there, see kv_cache_views)."""
         if self.k_cache.numel() == 0:
             # Memory-profiling run before the pool exists: attention's workspace is negligible next
             # to the activations measured, so its output is not computed.
             return torch.zeros_like(q)
-        self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if not kv_stored:
+            self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return self.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
 
