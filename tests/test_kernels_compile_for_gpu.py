@@ -21,6 +21,10 @@ FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
 DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False, PDL=True)
 PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False)
 STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
+QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
+                "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "slot_mapping_ptr": "*i64"}  # k/v_scale_ptr: *fp32
+QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HAS_NORM=True, STORE=False, PAGE=256, FP8=False,
+                               PDL=True)
 
 
 def configurations():
@@ -28,6 +32,7 @@ def configurations():
 
     fp16 = dict(FP8_COMPUTE=tl.float16)
     attention = "nanovllm.layers.triton_attention"
+    qk_norm_rope = "nanovllm.layers.qk_norm_rope"
     return {
         "decode bf16": (attention, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (attention, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
@@ -60,10 +65,13 @@ def configurations():
                                   ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096, PDL=False)),
         "silu and mul": ("nanovllm.layers.activation", "_silu_and_mul_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16"},
                          [], dict(BLOCK=1024, PDL=True)),
-        "q/k norm + rope": ("nanovllm.layers.qk_norm_rope", "_qk_norm_rope_kernel",
-                            {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
-                             "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16"}, ["eps"],
-                            dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HAS_NORM=True)),
+        "q/k norm + rope": (qk_norm_rope, "_qk_norm_rope_kernel", QK_NORM_ROPE, ["eps"], QK_NORM_ROPE_CONSTEXPRS),
+        "q/k norm + rope + store": (qk_norm_rope, "_qk_norm_rope_kernel",
+                                    {**QK_NORM_ROPE, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}, ["eps"],
+                                    {**QK_NORM_ROPE_CONSTEXPRS, "STORE": True}),
+        "q/k norm + rope + fp8 store": (qk_norm_rope, "_qk_norm_rope_kernel",
+                                        {**QK_NORM_ROPE, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"},
+                                        ["eps"], {**QK_NORM_ROPE_CONSTEXPRS, "STORE": True, "FP8": True}),
     }
 
 

@@ -8,12 +8,16 @@ carry that into a rotated element of any size (x1 cos - x2 sin may cancel). Henc
 outputs are equal but for at most 1% of the elements (a dropped rounding step makes it ~28%), every
 difference at most 2 ulps of the largest |value| of its head. In float32 nothing rounds the last bits of
 1/rms away: most elements differ, by at most 8 ulps (2^-20 relative) of their head's largest |value|.
+
+Given a KV cache, the kernel also stores k and v: the cache must then hold exactly what Attention's store
+writes of the kernel's returned k and of v, fp8 quantization included (see reference_stores).
 """
 
 import pytest
 import torch
 
 from nanovllm import LLM
+from nanovllm.layers.attention import store_kvcache_torch, store_kvcache_triton
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.qk_norm_rope import qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rope, default_inv_freq
@@ -77,6 +81,55 @@ def check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device=DEV
     assert_matches(k, ref_k, norm)
 
 
+def make_slots(num_tokens, num_slots, device=DEVICE, seed=0) -> torch.Tensor:
+    """slot_mapping [T]: distinct random slots, tokens 3 and 11 (if any) -1."""
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))[:num_tokens]
+    slots[[i for i in (3, 11) if i < num_tokens]] = -1
+    return slots.to(device)
+
+
+def nan_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, fp8, device=DEVICE) -> dict:
+    """A layer's caches, NaN-filled, as qk_norm_rope's keyword arguments: fp8 with their scales, or of dtype."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    cache = {name: torch.full(shape, float("nan"), device=device).to(torch.float8_e4m3fn if fp8 else dtype)
+             for name in ("k_cache", "v_cache")}
+    if fp8:
+        cache |= {name: torch.full((num_blocks, num_kv_heads, block_size), float("nan"), device=device)
+                  for name in ("k_scale", "v_scale")}
+    return cache
+
+
+def reference_stores(fp8: bool, device: str) -> list:
+    """The stores whose writes the kernel's must equal exactly. For an fp8 cache on CUDA only the Triton
+    store, which computes the scale and x / scale with the kernel's instructions: torch there divides by 448
+    as a product with its float32 reciprocal and Triton's `/` is div.full.f32, so they may round a scale's
+    last bit differently (tests/test_attention.py bounds that difference)."""
+    return [store_kvcache_triton] if fp8 and device == "cuda" else [store_kvcache_torch, store_kvcache_triton]
+
+
+def check_store(num_tokens, num_heads, num_kv_heads, head_dim, dtype, block_size, fp8, norm=True, device=DEVICE):
+    """The cache holds exactly the KV store's writes of the returned k and of v (slot -1 rows and the
+    unused slots stay NaN); q and k are as without the store."""
+    inputs = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device)
+    num_blocks = (num_tokens + block_size - 1) // block_size + 2
+    slots = make_slots(num_tokens, num_blocks * block_size, device)
+    cache_args = (num_blocks, block_size, num_kv_heads, head_dim, dtype, fp8, device)
+    cache = nan_cache(*cache_args)
+    args = (*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
+    q, k = qk_norm_rope(*args, eps=EPS, slot_mapping=slots, **cache)
+    assert all(map(torch.equal, (q, k), qk_norm_rope(*args, eps=EPS)))
+    v = inputs[0][:, -num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    for store in reference_stores(fp8, device):
+        expected = nan_cache(*cache_args)
+        store(k, v, expected["k_cache"], expected["v_cache"], slots, expected.get("k_scale"), expected.get("v_scale"))
+        for name in cache:
+            torch.testing.assert_close(cache[name].float(), expected[name].float(), rtol=0, atol=0, equal_nan=True)
+    written = slots[slots >= 0]
+    assert cache["k_cache"].view(-1, num_kv_heads, head_dim)[written].float().isfinite().all()
+    if not fp8:  # v copied exactly
+        assert torch.equal(cache["v_cache"].view(-1, num_kv_heads, head_dim)[written], v[slots >= 0])
+
+
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -91,10 +144,26 @@ def test_many_tokens(head_dim, dtype, norm):
     check(37, 4, 2, head_dim, dtype, norm)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["model_dtype_cache", "fp8_cache"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_stores_k_and_v_as_the_kv_store(dtype, fp8):
+    check_store(37, 4, 2, 64, dtype, 16, fp8)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model_dtype_cache", "fp8_cache"])
+@pytest.mark.parametrize("block_size", [1, 256])
+def test_stores_at_other_block_sizes(block_size, fp8):
+    check_store(37, 4, 2, 64, torch.bfloat16, block_size, fp8)
+
+
+def test_stores_k_and_v_with_rope_only():
+    check_store(37, 4, 2, 128, torch.bfloat16, 16, fp8=True, norm=False)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_decoder_attention_fused_path_matches_torch_path(family, tiny_model, tmp_path):
-    """DecoderAttention.norm_rope hands the kernel its layer's head counts, norm weights, eps and
-    cos/sin table (Qwen3: q/k norm; Llama: RoPE only, llama3-scaled)."""
+    """DecoderAttention.norm_rope hands the kernel its layer's head counts, norm weights, eps, cos/sin
+    table (Qwen3: q/k norm; Llama: RoPE only, llama3-scaled) and KV cache, once the pool exists."""
     path = tiny_model
     if family == "llama":
         path = str(tmp_path)
@@ -106,6 +175,18 @@ def test_decoder_attention_fused_path_matches_torch_path(family, tiny_model, tmp
         positions = torch.tensor([0, 1, 17, 500, 1023], device=weight.device)
         fused = attn.norm_rope(positions, qkv, fused=True)
         torch_path = attn.norm_rope(positions, qkv, fused=False)
+        # With slot_mapping the kernel stores the new K/V into the layer's cache.
+        slots = torch.tensor([3, -1, 20, 127, 64], device=weight.device)
+        cache = attn.attn.kv_cache_views()
+        expected = {name: x.clone() for name, x in cache.items() if x is not None}
+        assert all(map(torch.equal, fused, attn.norm_rope(positions, qkv, True, slots)))
+        v = qkv[:, -attn.num_kv_heads * attn.head_dim:].view(5, attn.num_kv_heads, attn.head_dim)
+        store_kvcache_torch(fused[1], v, expected["k_cache"], expected["v_cache"], slots)
+        for name, x in expected.items():
+            torch.testing.assert_close(cache[name], x, rtol=0, atol=0, equal_nan=True)
+        attn.attn.k_cache = torch.tensor([])  # before the pool exists (memory profiling): nothing to store
+        assert attn.attn.kv_cache_views() == {}
+        assert all(map(torch.equal, fused, attn.norm_rope(positions, qkv, True, slots)))
     for out, ref in zip(fused, torch_path):
         assert_matches(out, ref, norm=family == "qwen3")
 
@@ -118,16 +199,28 @@ def test_qwen3_0_6b_shapes_on_cuda(num_tokens, norm):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_cache", "fp8_cache"])
+@pytest.mark.parametrize("num_tokens", [1, 256, 1000])
+def test_qwen3_0_6b_store_on_cuda(num_tokens, fp8):
+    check_store(num_tokens, 16, 8, 128, torch.bfloat16, 256, fp8, device="cuda")
+
+
+@needs_cuda
 def test_cuda_graph_replay():
     qkv, positions, cos_sin_cache, q_weight, k_weight = make_inputs(8, 16, 8, 128, torch.bfloat16, True, "cuda")
     args = (cos_sin_cache, 16, 8, 128, q_weight, k_weight)
-    qk_norm_rope(qkv, positions, *args)  # compiles the kernel outside the capture
+    slots, cache = make_slots(8, 64, "cuda"), nan_cache(4, 16, 8, 128, torch.bfloat16, True, "cuda")
+    qk_norm_rope(qkv, positions, *args, slot_mapping=slots, **cache)  # compiles the kernel outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q, k = qk_norm_rope(qkv, positions, *args)
+        q, k = qk_norm_rope(qkv, positions, *args, slot_mapping=slots, **cache)
     new_qkv, new_positions = make_inputs(8, 16, 8, 128, torch.bfloat16, True, "cuda", seed=1)[:2]
-    qkv.copy_(new_qkv)
-    positions.copy_(new_positions)
+    new_slots = make_slots(8, 64, "cuda", seed=1)
+    expected_cache = {name: x.clone() for name, x in cache.items()}
+    for x, new in ((qkv, new_qkv), (positions, new_positions), (slots, new_slots)):
+        x.copy_(new)
     graph.replay()
-    expected_q, expected_k = qk_norm_rope(new_qkv, new_positions, *args)
+    expected_q, expected_k = qk_norm_rope(new_qkv, new_positions, *args, slot_mapping=new_slots, **expected_cache)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    for name, x in cache.items():
+        torch.testing.assert_close(x.float(), expected_cache[name].float(), rtol=0, atol=0, equal_nan=True)

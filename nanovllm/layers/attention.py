@@ -1,7 +1,8 @@
 """Paged attention: the per-step metadata, the KV store, and the backends behind one interface.
 
 Each layer's K/V cache is [num_blocks, block_size, num_kv_heads, head_dim]; token slot s lives at
-block s // block_size, offset s % block_size. A step first writes its new K/V into the cache, then
+block s // block_size, offset s % block_size. A step first writes its new K/V into the cache (the
+Attention layer's store, or on CUDA the model's fused q/k norm + RoPE kernel, qk_norm_rope.py), then
 attends over the cache (or, for prefill without cached prefix on flash-attn, over the new K/V).
 
 With kv_cache_dtype="fp8" the caches are float8_e4m3fn and each layer also has k_scale, v_scale
@@ -40,16 +41,24 @@ class AttentionMetadata:
 
 
 @triton.jit
+def store_fp8_scale(amax, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
+    """The fp8 scale of head(s) `head` of the token in cache slot `slot`, whose largest |element| is
+    amax (float32), as quantize_fp8 computes it; stored at scale_ptr[slot // PAGE, head, slot % PAGE]
+    but for heads >= NUM_KV_HEADS (padding to a power of two)."""
+    scale = tl.maximum(amax, FP8_MIN_AMAX) / FP8_MAX
+    offs = (slot // PAGE) * (NUM_KV_HEADS * PAGE) + head * PAGE + slot % PAGE
+    tl.store(scale_ptr + offs, scale, mask=head < NUM_KV_HEADS)
+    return scale
+
+
+@triton.jit
 def _quantize_fp8(x, scale_ptr, slot, D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                   PAGE: tl.constexpr):
     """x: one token's K or V, [BLOCK_D] = heads of HEAD_DIM flattened (D valid). Stores each head's
-    scale at scale_ptr[slot // PAGE, head, slot % PAGE] and returns x / scale in fp8, as quantize_fp8
-    computes it."""
+    scale (store_fp8_scale) and returns x / scale in fp8, as quantize_fp8 computes it."""
     heads = tl.reshape(x.to(tl.float32), (BLOCK_D // HEAD_DIM, HEAD_DIM))
-    scale = tl.maximum(tl.max(tl.abs(heads), 1), FP8_MIN_AMAX) / FP8_MAX  # [BLOCK_D // HEAD_DIM]
-    h = tl.arange(0, BLOCK_D // HEAD_DIM)
-    offs = (slot // PAGE) * (D // HEAD_DIM * PAGE) + h * PAGE + slot % PAGE
-    tl.store(scale_ptr + offs, scale, mask=h < D // HEAD_DIM)
+    scale = store_fp8_scale(tl.max(tl.abs(heads), 1), scale_ptr, slot, tl.arange(0, BLOCK_D // HEAD_DIM),
+                            D // HEAD_DIM, PAGE)  # [BLOCK_D // HEAD_DIM]
     return tl.reshape(heads / scale[:, None], (BLOCK_D,)).to(tl.float8e4nv)
 
 
@@ -72,6 +81,20 @@ def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_
     tl.store(v_cache_ptr + slot * D + offsets, value, mask=mask)
 
 
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                   v_scale: torch.Tensor | None, num_kv_heads: int, head_dim: int) -> bool:
+    """Asserts what the Triton KV stores assume of a layer's cache (see the module docstring); returns
+    whether it is fp8."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert fp8 == (k_scale is not None), "an fp8 cache comes with its scales"
+    if fp8:
+        assert k_scale.is_contiguous() and v_scale.is_contiguous() and head_dim & (head_dim - 1) == 0
+        assert k_scale.shape == v_scale.shape == (k_cache.size(0), num_kv_heads, k_cache.size(1))
+    return fp8
+
+
 def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None):
@@ -79,14 +102,9 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
     fp8 cache quantized, with the scales written to k_scale, v_scale [num_blocks, num_kv_heads, block_size]."""
     num_tokens, num_kv_heads, head_dim = key.shape
     d = num_kv_heads * head_dim
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and key.stride(1) == head_dim
-    assert value.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert fp8 == (k_scale is not None), "an fp8 cache comes with its scales"
-    if fp8:
-        assert k_scale.is_contiguous() and v_scale.is_contiguous() and head_dim & (head_dim - 1) == 0
-        assert k_scale.shape == v_scale.shape == (k_cache.size(0), num_kv_heads, k_cache.size(1))
-    else:
+    assert key.stride(-1) == value.stride(-1) == 1 and key.stride(1) == value.stride(1) == head_dim
+    fp8 = check_kv_cache(k_cache, v_cache, k_scale, v_scale, num_kv_heads, head_dim)
+    if not fp8:
         k_scale, v_scale = k_cache, v_cache  # unused
     _store_kvcache_kernel[(num_tokens,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache, k_scale,
                                          v_scale, slot_mapping, d, triton.next_power_of_2(d), head_dim,
@@ -197,12 +215,23 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.k_scale = self.v_scale = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    def kv_cache_views(self) -> dict[str, torch.Tensor | None]:
+        """This layer's cache as the keyword arguments of a kernel that stores the new K/V itself
+        (qk_norm_rope; then call forward with kv_stored=True). Empty before the pool exists (the
+        memory-profiling run): then nothing is to be stored."""
+        if self.k_cache.numel() == 0:
+            return {}
+        return dict(k_cache=self.k_cache, v_cache=self.v_cache, k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], stored into
+        the cache at meta.slot_mapping first unless `kv_stored` (already written there, see kv_cache_views)."""
         if self.k_cache.numel() == 0:
             # Memory-profiling run before the pool exists: attention's workspace is negligible next
             # to the activations measured, so its output is not computed.
             return torch.zeros_like(q)
-        self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if not kv_stored:
+            self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return self.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
 

@@ -1,27 +1,59 @@
-"""Fused per-head q/k RMSNorm (Qwen3's q_norm, k_norm) and neox-style RoPE in one Triton kernel.
+"""Fused per-head q/k RMSNorm (Qwen3's q_norm, k_norm) and neox-style RoPE in one Triton kernel, which
+can also write the new K and V into the paged KV cache.
 
-It replaces `rms_norm` on q and k followed by `apply_rope` on CUDA, where those are several small
-kernels per layer. The op order is the torch code's, so results match it to the last bit but for the
-sum of squares, whose reduction order differs (see tests/test_qk_norm_rope.py for the bounds).
+It replaces `rms_norm` on q and k followed by `apply_rope` and the KV store on CUDA, where those are
+several small kernels per layer. The op order is the torch code's, so results match it to the last bit
+but for the sum of squares, whose reduction order differs (see tests/test_qk_norm_rope.py for the
+bounds). The cache gets exactly what the KV store (attention.py) would write of the returned k and of v.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.attention import check_kv_cache, store_fp8_scale
+from nanovllm.utils.device import pdl_enabled
+
+
+@triton.jit
+def _store_head(x1, x2, cache_ptr, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
+                PAGE: tl.constexpr, FP8: tl.constexpr):
+    """Writes KV head `head` of one token, as its halves x1, x2 [D // 2], to cache slot `slot`; into an fp8
+    cache quantized as the KV store does (a scale per token and head: this one head's)."""
+    if FP8:
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        scale = store_fp8_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), scale_ptr, slot, head,
+                                NUM_KV_HEADS, PAGE)
+        x1, x2 = (x1 / scale).to(tl.float8e4nv), (x2 / scale).to(tl.float8e4nv)
+    dst = cache_ptr + (slot * NUM_KV_HEADS + head) * D + tl.arange(0, D // 2)
+    tl.store(dst, x1)
+    tl.store(dst + D // 2, x2)
+
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride_cs, q_ptr, k_ptr,
-                         q_weight_ptr, k_weight_ptr, eps,
+                         q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
+                         k_scale_ptr, v_scale_ptr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
-                         HAS_NORM: tl.constexpr):
+                         HAS_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # launched while the qkv projection runs: wait for it before reading anything
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)  # below NUM_HEADS a q head, then the k heads
+    head = tl.program_id(1)  # the q heads, then the k heads, then (with STORE) the v heads
     half = tl.arange(0, D // 2)
-    # The k heads follow the q heads in a qkv row, so `head` indexes both.
+    # The heads lie in this order in a qkv row too, so `head` indexes all of them.
     src = qkv_ptr + token * stride_qkv + head * D + half
     x1 = tl.load(src)
     x2 = tl.load(src + D // 2)
+    if STORE:
+        slot = tl.load(slot_mapping_ptr + token)  # -1: write nothing
+        if head >= NUM_HEADS + NUM_KV_HEADS:  # a v head: stored unchanged
+            if slot != -1:
+                _store_head(x1, x2, v_cache_ptr, v_scale_ptr, slot, head - NUM_HEADS - NUM_KV_HEADS, NUM_KV_HEADS,
+                            D, PAGE, FP8)
+            return
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     is_q = head < NUM_HEADS
@@ -50,17 +82,28 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride
         dst = k_ptr + (token * NUM_KV_HEADS + head - NUM_HEADS) * D + half
     tl.store(dst, y1)
     tl.store(dst + D // 2, y2)
+    if STORE:
+        if not is_q and slot != -1:
+            _store_head(y1, y2, k_cache_ptr, k_scale_ptr, slot, head - NUM_HEADS, NUM_KV_HEADS, D, PAGE, FP8)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None = None,
-                 k_weight: torch.Tensor | None = None, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                 k_weight: torch.Tensor | None = None, eps: float = 1e-6, slot_mapping: torch.Tensor | None = None,
+                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim], new contiguous tensors, from the qkv
     projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]: each head RMS-normed with
     q_weight / k_weight (when given; None for RoPE only), then rotated by RoPE at `positions` [T].
 
-    One program per (token, q or k head) reads its head once (and the token's cos/sin row) and writes the
-    result; no host sync, so it is CUDA-graph capturable.
+    With k_cache, v_cache (a layer's paged cache, as Attention.kv_cache_views gives them) it also writes
+    each token's k and v (qkv's last num_kv_heads heads, unchanged) to cache slot slot_mapping[token]
+    (int64 [T]; -1: nowhere), as Attention's store would: into an fp8 cache quantized, the scales in
+    k_scale, v_scale. Without a cache nothing is stored.
+
+    One program per (token, q or k or, when storing, v head) reads its head once (and the token's cos/sin
+    row) and writes the result; no host sync, so it is CUDA-graph capturable.
     """
     num_tokens = qkv.shape[0]
     assert head_dim & (head_dim - 1) == 0, f"head_dim={head_dim} is not a power of two"
@@ -72,11 +115,20 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     if has_norm:
         assert q_weight.dtype == k_weight.dtype == qkv.dtype, "the kernel rounds weight * x to qkv's dtype"
         assert q_weight.is_contiguous() and k_weight.is_contiguous()
+    store, fp8 = k_cache is not None, False
+    if store:
+        fp8 = check_kv_cache(k_cache, v_cache, k_scale, v_scale, num_kv_heads, head_dim)
+        assert fp8 or k_cache.dtype == qkv.dtype, "a cache of another dtype than the model's is fp8"
+        assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
     q = qkv.new_empty(num_tokens, num_heads, head_dim)
     k = qkv.new_empty(num_tokens, num_kv_heads, head_dim)
-    _qk_norm_rope_kernel[(num_tokens, num_heads + num_kv_heads)](
+    grid = (num_tokens, num_heads + num_kv_heads + (num_kv_heads if store else 0))
+    pdl = pdl_enabled(qkv.device)
+    _qk_norm_rope_kernel[grid](
         qkv, qkv.stride(0), positions, cos_sin_cache, cos_sin_cache.stride(0), q, k, q_weight, k_weight, eps,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, HAS_NORM=has_norm,
+        slot_mapping, k_cache, v_cache, k_scale, v_scale,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, HAS_NORM=has_norm, STORE=store,
+        PAGE=k_cache.size(1) if store else 1, FP8=fp8, PDL=pdl, launch_pdl=pdl,
         # One warp per head (32 or 64 elements a half): the sum of squares needs no cross-warp step.
         num_warps=1,
         # No FMA contraction: x1 * cos - x2 * sin rounds each product as torch does.

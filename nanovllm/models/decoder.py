@@ -48,20 +48,24 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        q, k = self.norm_rope(positions, qkv, fused=qkv.is_cuda)
+        fused = qkv.is_cuda
+        q, k = self.norm_rope(positions, qkv, fused, meta.slot_mapping)
         v = qkv[:, -self.num_kv_heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)  # a view of qkv
-        out = self.attn(q, k, v, meta)
+        out = self.attn(q, k, v, meta, kv_stored=fused)
         return self.o_proj(out.flatten(1, -1))
 
-    def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor, fused: bool,
+                  slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] from the qkv
-        projection: per-head RMS-normed (with qk_norm), then rotated. `fused`: one Triton kernel (CUDA);
-        else the torch ops, the exact reference the CPU tests compare with transformers."""
+        projection: per-head RMS-normed (with qk_norm), then rotated. `fused`: one Triton kernel (CUDA),
+        which with slot_mapping also stores the new K and V into self.attn's cache (once the pool exists);
+        else the torch ops, the exact reference the CPU tests compare with transformers, storing nothing."""
         if fused:
             norm = dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps) \
                 if self.qk_norm else {}
+            store = dict(slot_mapping=slot_mapping, **self.attn.kv_cache_views()) if slot_mapping is not None else {}
             return qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
-                                self.head_dim, **norm)
+                                self.head_dim, **norm, **store)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
