@@ -20,6 +20,7 @@ from random import randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.device import pdl_enabled
 from nanovllm.utils.tiny_model import LLAMA_3_2_1B, QWEN2_5_0_5B, QWEN3_0_6B, QWEN3_8B, write_benchmark_checkpoint
 
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
@@ -110,6 +111,9 @@ def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
     gpu_us = sum(e.self_device_time_total for e in events)
     print(f"decode at batch {len(llm.scheduler.running)}: {wall / steps * 1e3:.2f} ms/step wall, GPU busy "
           f"{gpu_us / steps / 1e3:.2f} ms/step ({gpu_us / 1e6 / wall:.0%})")
+    if pdl_enabled(torch.device("cuda")):
+        print("(programmatic dependent launch: a kernel starts while the one before it runs, and its time includes "
+              "that wait, so busy time may exceed wall time; NANOVLLM_PDL=0 gives additive kernel times)")
     print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
     host = cProfile.Profile()
     host.enable()
