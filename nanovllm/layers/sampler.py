@@ -20,6 +20,15 @@ from nanovllm.layers.logits_processor import apply_min_p, apply_penalties, apply
 from nanovllm.utils.device import num_sms
 
 
+@triton.jit
+def _uniforms(seed, first_group, BLOCK: tl.constexpr):
+    """[BLOCK] uniforms in [0, 1) for BLOCK consecutive columns starting at a multiple of 4: column 4j + i
+    takes output i of the Philox call at counter first_group + j, four draws per call (tl.rand makes one).
+    The interleave keeps each column's draw independent of how the row is blocked or split."""
+    r0, r1, r2, r3 = tl.rand4x(seed, first_group + tl.arange(0, BLOCK // 4))
+    return tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])
+
+
 # A fresh seed every step: Triton must not specialize on its value (divisible by 16 or not, equal to
 # 1), or a new variant compiles mid-run the first time each kind of seed comes up.
 @triton.jit(do_not_specialize=["seed"])
@@ -34,12 +43,13 @@ def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, scores_ptr, toke
     end = tl.minimum(begin + chunk_size, vocab_size)
     best_score = -float("inf")
     best_token = begin
+    groups_per_row = tl.cdiv(vocab_size, 4)
     for start in range(begin, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < end
         logits = tl.load(logits_ptr + row * logits_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
         # The noise depends on (seed, row, column) only: the token drawn does not depend on the split.
-        uniform = tl.rand(seed, row * vocab_size + cols)
+        uniform = _uniforms(seed, row * groups_per_row + start // 4, BLOCK)
         gumbel = -tl.log(-tl.log(uniform))
         scores = tl.where(greedy, logits, logits * inv_temperature + gumbel)
         scores = tl.where(mask, scores, -float("inf"))
