@@ -164,8 +164,9 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """End `seq` now, running or waiting (a stop token or string, or the caller gave up on it):
         free its blocks and drop it from the queues."""
+        queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting  # status names its queue
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.drop_inflight()
         self.block_manager.deallocate(seq)
-        (self.running if seq in self.running else self.waiting).remove(seq)
+        queue.remove(seq)

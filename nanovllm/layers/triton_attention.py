@@ -16,7 +16,6 @@ fp16's range: |q| < 65504, which normed queries are far below). A constexpr FP8 
 16-bit path untouched.
 """
 
-
 import torch
 import triton
 import triton.language as tl
