@@ -161,12 +161,21 @@ def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: i
                 seq.append_token(randint(0, vocab_size - 1))
             seqs.append(seq)
         for _ in range(5):  # warm-up
-            sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, device, to_device))
+            sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, to_device))
         start = time.perf_counter()
         for _ in range(steps):
-            sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, device, to_device)).token_ids.tolist()
+            sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, to_device)).token_ids.tolist()
         print(f"sampler, batch {batch}, vocab {vocab_size}, {name}: "
               f"{(time.perf_counter() - start) / steps * 1e3:.2f} ms/step")
+        if name == "every control, every row":  # where the time goes: GPU kernels, then host work
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, to_device)).token_ids.tolist()
+            events = prof.key_averages()
+            print(f"GPU time per step {sum(e.self_device_time_total for e in events) / steps / 1e3:.2f} ms")
+            for column in ("self_device_time_total", "self_cpu_time_total"):
+                print(events.table(sort_by=column, row_limit=10, max_name_column_width=60))
 
 
 def main():

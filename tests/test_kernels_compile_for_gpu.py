@@ -25,6 +25,8 @@ QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "
                 "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "slot_mapping_ptr": "*i64"}  # k/v_scale_ptr: *fp32
 QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HAS_NORM=True, STORE=False, PAGE=256, FP8=False,
                                PDL=True)
+SEARCH = {"logits_ptr": "*bf16", "active_ptr": "*i8", "lo_ptr": "*i32", "arrivals_ptr": "*i32"}
+SEARCH_SIZES = dict(NUM_BUCKETS=16, NUM_BINS=32, BLOCK=512)
 
 
 def configurations():
@@ -33,6 +35,7 @@ def configurations():
     fp16 = dict(FP8_COMPUTE=tl.float16)
     attention = "nanovllm.layers.triton_attention"
     qk_norm_rope = "nanovllm.layers.qk_norm_rope"
+    filters = "nanovllm.layers.sampling_filters"
     return {
         "decode bf16": (attention, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (attention, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
@@ -49,7 +52,16 @@ def configurations():
                       {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
                        "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64"}, [], {**STORE, "FP8": True}),
         "sampler": ("nanovllm.layers.sampler", "_sample_kernel", {"logits_ptr": "*bf16", "tokens_ptr": "*i64"}, [],
-                    dict(BLOCK=4096)),
+                    dict(FILTERED=False, ROW_SEEDS=False, BLOCK=4096)),
+        "sampler, filtered and seeded": ("nanovllm.layers.sampler", "_sample_kernel",
+                                         {"logits_ptr": "*bf16", "tokens_ptr": "*i64", "row_seeds_ptr": "*i64"}, [],
+                                         dict(FILTERED=True, ROW_SEEDS=True, BLOCK=1024)),
+        "top-p search pass": (filters, "_search_pass_kernel", SEARCH, [],
+                              dict(FIRST=True, KEY_SHIFT=16, **SEARCH_SIZES)),
+        "top-p search pass, float32": (filters, "_search_pass_kernel", {**SEARCH, "logits_ptr": "*fp32"}, [],
+                                       dict(FIRST=False, KEY_SHIFT=0, **SEARCH_SIZES)),
+        "top-p search pass, one row": (filters, "_search_pass_kernel", SEARCH, [],
+                                       dict(FIRST=True, KEY_SHIFT=16, NUM_BUCKETS=256, NUM_BINS=512, BLOCK=32)),
         "skinny gemm": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
                         {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}, [],
                         dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, PDL=True,

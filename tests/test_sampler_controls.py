@@ -10,25 +10,31 @@ import torch
 from nanovllm.engine.sampling_metadata import build_sampling_metadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import sampler as sampler_module
+from nanovllm.layers import sampling_filters
 from nanovllm.layers.logits_processor import apply_penalties, apply_top_k_top_p
-from nanovllm.layers.sampler import Sampler, SamplingMetadata
+from nanovllm.layers.sampler import Sampler, SamplingMetadata, sample_triton
+from nanovllm.layers.sampling_filters import filter_thresholds
 from nanovllm.sampling_params import SamplingParams
 
+# The torch reference, and the Triton kernels (on the GPU, or under Triton's interpreter on CPU).
+IMPLS = ["torch", "triton"]
 CPU = torch.device("cpu")
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def metadata(seqs: list[Sequence], vocab_size: int) -> SamplingMetadata:
-    return build_sampling_metadata(seqs, vocab_size, CPU, torch.from_numpy)
+def metadata(seqs: list[Sequence], vocab_size: int, device: torch.device = CPU) -> SamplingMetadata:
+    return build_sampling_metadata(seqs, vocab_size, lambda array: torch.from_numpy(array).to(device))
 
 
 def rows(params: list[SamplingParams], prompt=(1, 2, 3)) -> list[Sequence]:
     return [Sequence(list(prompt), p, block_size=16) for p in params]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], seqs=None) -> SimpleNamespace:
+def sample(logits: torch.Tensor, params: list[SamplingParams], seqs=None, impl="torch") -> SimpleNamespace:
     """Sampled token ids as a list, and per row (ids, log-probabilities) lists when asked."""
     seqs = seqs or rows(params)
-    out = Sampler()(logits.clone(), metadata(seqs, logits.shape[1]))
+    device = KERNEL_DEVICE if impl == "triton" else CPU
+    out = Sampler(use_triton=impl == "triton")(logits.to(device, copy=True), metadata(seqs, logits.shape[1], device))
     logprobs = None if out.logprobs is None else list(zip(out.logprob_token_ids.tolist(), out.logprobs.tolist()))
     return SimpleNamespace(token_ids=out.token_ids.tolist(), logprobs=logprobs)
 
@@ -69,15 +75,17 @@ def test_temperature_only_batches_keep_the_one_pass_sampler(monkeypatch):
     mixed = metadata(rows(plain + [SamplingParams(top_k=3)]), 50)
     assert not mixed.only_temperature and mixed.top_k.tolist() == [50, 50, 3]
     assert mixed.top_p is None and mixed.min_p is None and mixed.penalties is None
-    assert mixed.num_top_candidates == 3  # top-k alone: a partial sort of 3
+    assert mixed.max_top_k == 3 and mixed.top_p_within_top_k  # top-k alone: a partial sort of 3
 
 
 def test_top_p_within_top_k_filters_from_candidates_else_sorts():
     bounded = [SamplingParams(top_k=7, top_p=0.9), SamplingParams(top_k=20), SamplingParams(),
                SamplingParams(top_k=900)]
-    assert metadata(rows(bounded), 500).num_top_candidates == 500  # every k, capped by the vocabulary
-    assert metadata(rows(bounded[:3]), 500).num_top_candidates == 20
-    assert metadata(rows(bounded + [SamplingParams(top_p=0.5)]), 500).num_top_candidates is None
+    assert metadata(rows(bounded), 500).max_top_k == 500  # every k, capped by the vocabulary
+    assert metadata(rows(bounded[:3]), 500).max_top_k == 20
+    assert metadata(rows(bounded), 500).top_p_within_top_k
+    unbounded = metadata(rows(bounded + [SamplingParams(top_p=0.5)]), 500)
+    assert unbounded.max_top_k == 500 and not unbounded.top_p_within_top_k
 
 
 def test_candidate_filtering_keeps_what_the_sort_keeps():
@@ -102,33 +110,57 @@ def test_candidate_filtering_keeps_what_the_sort_keeps():
             assert all(a < b for a, b in zip(kept[8:], [25, 300, 100, 12]))
 
 
-def test_greedy_rows_are_argmax_in_a_batch_mixing_every_control():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_greedy_rows_are_argmax_in_a_batch_mixing_every_control(impl):
     torch.manual_seed(0)
     logits = torch.randn(8, 500)
     params = [SamplingParams(temperature=0), SamplingParams(top_k=5), SamplingParams(temperature=0, top_p=0.5),
               SamplingParams(top_p=0.8, seed=3), SamplingParams(temperature=0, min_p=0.3), SamplingParams(logprobs=2),
               SamplingParams(temperature=0, logprobs=3), SamplingParams(min_p=0.1, top_k=10, top_p=0.9)]
-    tokens = sample(logits, params).token_ids
+    tokens = sample(logits, params, impl=impl).token_ids
     for i, p in enumerate(params):
         if p.temperature == 0:
             assert tokens[i] == logits[i].argmax().item()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("controls", [{"top_k": 1}, {"top_p": 1e-6}, {"top_k": 1, "min_p": 0.5}])
-def test_tightest_filters_equal_greedy(controls):
+def test_tightest_filters_equal_greedy(controls, impl):
     torch.manual_seed(1)
     logits = torch.randn(64, 1000) * 3
-    tokens = sample(logits, [SamplingParams(temperature=1.5, **controls)] * 64).token_ids
+    tokens = sample(logits, [SamplingParams(temperature=1.5, **controls)] * 64, impl=impl).token_ids
     assert tokens == logits.argmax(-1).tolist()
 
 
-def test_sampled_tokens_stay_inside_the_filtered_set():
+def filter_cases(dtype=torch.float32) -> tuple[torch.Tensor, list[SamplingParams]]:
+    """48 rows of 200 distinct logits (also distinct in bfloat16), and settings mixing every filter."""
     gen = torch.Generator().manual_seed(2)
-    logits = torch.randn(48, 200, generator=gen) * 2
-    params = []
-    for i in range(48):
-        params.append(SamplingParams(temperature=[0.5, 1.0, 2.0][i % 3], top_k=[0, 3, 20, 150][i % 4],
-                                     top_p=[1.0, 0.3, 0.9][i % 3 - 1], min_p=[0.0, 0.05, 0.2, 0.6][i // 12]))
+    logits = torch.stack([torch.randperm(200, generator=gen) * 0.03 - 3 for _ in range(48)]).to(dtype)
+    params = [SamplingParams(temperature=[0.5, 1.0, 2.0][i % 3], top_k=[0, 3, 20, 150][i % 4],
+                             top_p=[1.0, 0.3, 0.9][i % 3 - 1], min_p=[0.0, 0.05, 0.2, 0.6][i // 12])
+              for i in range(48)]
+    return logits, params
+
+
+def meta_thresholds(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    return filter_thresholds(logits, meta.temperatures, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k,
+                             not meta.top_p_within_top_k)
+
+
+def kernel_draws(logits: torch.Tensor, params: list[SamplingParams], repeats: int) -> torch.Tensor:
+    """[rows, repeats] tokens from the Triton race: each row's threshold found once, then the row drawn
+    `repeats` times (as rows of one batch: the interpreter runs a kernel per program, so this is
+    much cheaper than as many searches)."""
+    meta = metadata(rows(params), logits.shape[1], KERNEL_DEVICE)
+    logits = logits.to(KERNEL_DEVICE)
+    thresholds = meta_thresholds(logits, meta)
+    tokens = sample_triton(logits.repeat_interleave(repeats, dim=0), meta.temperatures.repeat_interleave(repeats),
+                           seed=3, thresholds=thresholds.repeat_interleave(repeats))
+    return tokens.view(len(params), repeats).cpu()
+
+
+def test_sampled_tokens_stay_inside_the_filtered_set():
+    logits, params = filter_cases()
     allowed = [allowed_set(logits[i], p) for i, p in enumerate(params)]
     seen = [set() for _ in params]
     torch.manual_seed(3)
@@ -139,15 +171,60 @@ def test_sampled_tokens_stay_inside_the_filtered_set():
     assert sum(len(s) > 1 for s in seen) > 24  # rows with room to vary did vary
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_thresholds_keep_exactly_the_allowed_set(dtype):
+    logits, params = filter_cases(dtype)
+    meta = metadata(rows(params), 200, KERNEL_DEVICE)
+    thresholds = meta_thresholds(logits.to(KERNEL_DEVICE), meta)
+    kept = logits >= thresholds.cpu().unsqueeze(1)
+    for i, p in enumerate(params):
+        assert set(kept[i].nonzero().flatten().tolist()) == allowed_set(logits[i].float(), p), (i, p)
+    # A few rows search with 8 key bits per pass instead of 4: the same thresholds.
+    few = slice(0, sampling_filters.FEW_ROWS)
+    assert torch.equal(filter_thresholds(logits[few].to(KERNEL_DEVICE), meta.temperatures[few], meta.top_k[few],
+                                         meta.top_p[few], meta.min_p[few], meta.max_top_k, True), thresholds[few])
+    # Every row through the Sampler once, and ten draws of each row from the race alone.
+    allowed = [allowed_set(logits[i].float(), p) for i, p in enumerate(params)]
+    tokens = sample(logits, params, impl="triton").token_ids
+    assert all(token in allowed[i] for i, token in enumerate(tokens))
+    draws = kernel_draws(logits, params, repeats=10)
+    assert all(set(draws[i].tolist()) <= allowed[i] for i in range(len(params)))
+    assert sum(len(set(row.tolist())) > 1 for row in draws) > 24
+
+
+def test_kernel_thresholds_do_not_depend_on_the_split_of_the_rows():
+    """Rows split over several programs (as on the GPU at small batch) find the one-program thresholds;
+    row 3 (top-p without top-k) searches, the others filter among their 400 largest logits."""
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(4, 1500, generator=gen) * 2).to(KERNEL_DEVICE)
+    logits[1, 700] = logits[1, 1400] = 9.0  # a tie at the top, in two chunks
+    temperatures = torch.tensor([1.0, 0.7, 1.3, 1.0], device=KERNEL_DEVICE)
+    top_k = torch.tensor([7, 1, 400, 1500], device=KERNEL_DEVICE)
+    top_p = torch.tensor([1.0, 1.0, 0.5, 0.95], device=KERNEL_DEVICE)
+    one = filter_thresholds(logits, temperatures, top_k, top_p, None, 400, True, num_chunks=1)
+    three = filter_thresholds(logits, temperatures, top_k, top_p, None, 400, True, num_chunks=3)
+    assert torch.equal(one, three)
+    alone = [filter_thresholds(logits[i:i + 1], temperatures[i:i + 1], top_k[i:i + 1], top_p[i:i + 1], None, 400,
+                               True, num_chunks=3) for i in range(4)]  # one row: 8-bit buckets
+    assert torch.equal(torch.cat(alone), one)
+    kept = (logits >= one.unsqueeze(1)).sum(dim=1).tolist()
+    assert kept[:2] == [7, 2] and 1 < kept[2] < 400 and 1 < kept[3] < 1500
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("controls", [{}, {"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.2}, {"top_k": 6, "top_p": 0.9}])
-def test_frequencies_match_the_filtered_tempered_softmax(controls):
-    vocab, draws, temperature = 8, 4000, 0.7
+def test_frequencies_match_the_filtered_tempered_softmax(controls, impl):
+    # Fewer draws from the kernels: the interpreter takes ~15 ms per program, i.e. per draw.
+    vocab, draws, temperature = 8, 4000 if impl == "torch" else 1000, 0.7
     row = torch.linspace(-1.0, 1.5, vocab)
     params = SamplingParams(temperature=temperature, **controls)
     if not controls:
         params = SamplingParams(temperature=temperature, seed=None, logprobs=0)  # the general path, no filter
     torch.manual_seed(123)
-    tokens = sample(row.expand(draws, vocab).contiguous(), [params] * draws).token_ids
+    if impl == "triton":
+        tokens = kernel_draws(row.unsqueeze(0), [params], draws).flatten().tolist()
+    else:
+        tokens = sample(row.expand(draws, vocab).contiguous(), [params] * draws).token_ids
     observed = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
     keep = sorted(allowed_set(row, params))
     expected = torch.zeros(vocab, dtype=torch.float64)
@@ -172,6 +249,34 @@ def test_penalties_follow_vllm_definitions():
     assert torch.equal(out[1], logits[1])  # neutral penalties change nothing
 
 
+def test_penalties_match_dense_counting_on_random_histories():
+    """The sparse (sorted-run) implementation against counting every token of the vocabulary, with
+    tokens repeated within and across prompt and output, padding, and a row without history."""
+    gen = torch.Generator().manual_seed(6)
+    vocab, num_rows = 50, 6
+    logits = torch.randn(num_rows, vocab, generator=gen) * 3
+    prompt = torch.randint(0, 20, (num_rows, 12), generator=gen)
+    output = torch.randint(10, 30, (num_rows, 9), generator=gen)
+    prompt[1, 7:] = vocab
+    output[2, 3:] = vocab
+    prompt[5], output[5] = vocab, vocab  # no history: neutral penalties
+    repetition = torch.tensor([1.3, 0.8, 2.0, 1.0, 1.1, 1.0])
+    frequency = torch.tensor([0.2, 0.0, -0.5, 0.3, 1.0, 0.0])
+    presence = torch.tensor([0.5, 0.1, 0.0, -0.2, 0.0, 0.0])
+    got = apply_penalties(logits.clone(), prompt, output, repetition, frequency, presence)
+
+    def counts(ids):
+        return torch.zeros(num_rows, vocab + 1).scatter_add_(1, ids, torch.ones(ids.shape))[:, :vocab]
+
+    output_counts = counts(output)
+    seen = (counts(prompt) > 0) | (output_counts > 0)
+    rep = torch.where(seen, repetition.unsqueeze(1), 1.0)
+    expected = torch.where(logits > 0, logits / rep, logits * rep)
+    expected = expected - frequency.unsqueeze(1) * output_counts
+    expected = expected - presence.unsqueeze(1) * (output_counts > 0)
+    assert torch.equal(got, expected)
+
+
 def test_penalty_history_is_built_from_the_sequences():
     params = [SamplingParams(repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=0.5),
               SamplingParams(temperature=0)]
@@ -190,40 +295,52 @@ def test_penalty_history_is_built_from_the_sequences():
     assert metadata(seqs, 6).penalties.output_ids[0].tolist()[:5] == [6, 6, 2, 2, 0]
 
 
-def test_min_tokens_suppresses_eos_and_stop_ids():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_min_tokens_suppresses_eos_and_stop_ids(impl):
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4])
     seq = Sequence([1, 2], params, 16, eos_token_ids={7})
     logits = torch.zeros(1, 10)
     logits[0, 7], logits[0, 4], logits[0, 3] = 3.0, 2.0, 1.0
-    assert sample(logits, [params], [seq]).token_ids == [3]
+    assert sample(logits, [params], [seq], impl).token_ids == [3]
     seq.append_token(3)
-    assert sample(logits, [params], [seq]).token_ids == [3]
+    assert sample(logits, [params], [seq], impl).token_ids == [3]
     seq.append_token(3)
-    assert sample(logits, [params], [seq]).token_ids == [7]  # min_tokens reached
+    assert sample(logits, [params], [seq], impl).token_ids == [7]  # min_tokens reached
 
 
-def test_seeded_rows_repeat_whatever_else_is_in_the_batch():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_seeded_rows_repeat_whatever_else_is_in_the_batch(impl):
     torch.manual_seed(4)
     logits = torch.randn(6, 300)
     seeded = SamplingParams(temperature=1.0, seed=11, top_p=0.95)
-    first = sample(logits[:1], [seeded]).token_ids[0]
+    first = sample(logits[:1], [seeded], impl=impl).token_ids[0]
     other_rows = [SamplingParams(), SamplingParams(top_k=4, seed=12), SamplingParams(temperature=0)]
     for position in range(3):
         batch = other_rows[:position] + [seeded] + other_rows[position:]
         mixed = torch.cat([logits[1:1 + position], logits[:1], logits[1 + position:4]])
-        assert sample(mixed, batch).token_ids[position] == first
-    # A sequence's generator carries on across steps: its next draws differ from its first.
-    seq = rows([SamplingParams(temperature=1.0, seed=11)])
-    draws = [sample(torch.zeros(1, 1000), None, seq).token_ids[0] for _ in range(4)]
-    assert len(set(draws)) > 1
+        assert sample(mixed, batch, impl=impl).token_ids[position] == first
+    # The draw is keyed by the seed and the token's position: the same position draws the same token,
+    # the following positions draw afresh, and another seed draws other tokens.
+    def draws(seed):
+        seq = rows([SamplingParams(temperature=1.0, seed=seed)])
+        tokens = []
+        for _ in range(6):
+            tokens.append(sample(torch.zeros(1, 1000), None, seq, impl=impl).token_ids[0])
+            assert sample(torch.zeros(1, 1000), None, seq, impl=impl).token_ids[0] == tokens[-1]
+            seq[0].append_token(tokens[-1])
+        return tokens
+
+    assert len(set(draws(11))) > 1
+    assert draws(11) == draws(11) != draws(12)
 
 
-def test_logprobs_are_the_raw_log_softmax():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_logprobs_are_the_raw_log_softmax(impl):
     torch.manual_seed(5)
     logits = torch.randn(3, 100)
     params = [SamplingParams(temperature=0.5, logprobs=3, repetition_penalty=1.5, top_k=10),
               SamplingParams(temperature=0), SamplingParams(logprobs=0)]
-    out = sample(logits, params)
+    out = sample(logits, params, impl=impl)
     reference = torch.log_softmax(logits, dim=-1)
     for row, (ids, values) in enumerate(out.logprobs):
         assert ids[0] == out.token_ids[row]

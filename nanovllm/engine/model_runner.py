@@ -178,7 +178,7 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         if self.rank == 0:
             profiled = [Sequence([0], ALL_CONTROLS, self.block_size)] * len(rows)  # the most memory-hungry path
-            self.sampler(logits, build_sampling_metadata(profiled, logits.shape[1], self.device, self._to_device))
+            self.sampler(logits, build_sampling_metadata(profiled, logits.shape[1], self._to_device))
         del hidden, rows, logits
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -280,7 +280,7 @@ class ModelRunner:
         if not sampling_seqs:
             return None
         if self.rank == 0:
-            meta = build_sampling_metadata(sampling_seqs, logits.shape[1], self.device, self._to_device,
+            meta = build_sampling_metadata(sampling_seqs, logits.shape[1], self._to_device,
                                            self._inflight_tokens)
             output = self.sampler(logits, meta)
             tokens = output.token_ids

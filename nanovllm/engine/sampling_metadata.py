@@ -21,10 +21,10 @@ ALL_CONTROLS = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, repetition_penalt
                               frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
 
 
-def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device: torch.device, to_device: ToDevice,
+def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: ToDevice,
                             inflight_tokens: InflightTokens | None = None) -> SamplingMetadata:
     """`seqs`: the sequences that sample this step, one row each; `to_device` copies a host array to
-    `device` (the model runner's pinned, non-blocking copy); `inflight_tokens` gives the last tokens of
+    the device (the model runner's pinned, non-blocking copy); `inflight_tokens` gives the last tokens of
     sequences whose previous step has not reached the host yet, on the device (penalties count them)."""
     meta = SamplingMetadata(to_device(np.array([seq.temperature for seq in seqs], dtype=np.float32)))
     # EOS and stop ids of the rows still short of min_tokens.
@@ -42,17 +42,17 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device: torch
                                         dtype=np.int64))
     if any(p.top_p < 1 for p in params):
         meta.top_p = to_device(np.array([p.top_p for p in params], dtype=np.float32))
-    if meta.top_k is not None and all(p.top_k > 0 for p in params if p.top_p < 1):  # top-p within top-k
-        meta.num_top_candidates = max(min(p.top_k, vocab_size) for p in params if p.top_k > 0)
+    if meta.top_k is not None:
+        meta.max_top_k = max(min(p.top_k, vocab_size) for p in params if p.top_k > 0)
+    meta.top_p_within_top_k = all(p.top_k > 0 for p in params if p.top_p < 1)
     if any(p.min_p > 0 for p in params):
         meta.min_p = to_device(np.array([p.min_p for p in params], dtype=np.float32))
     if any(p.uses_penalties for p in params):
         meta.penalties = _penalties(seqs, vocab_size, to_device, inflight_tokens)
-    for row, seq in enumerate(seqs):
-        if seq.sampling_params.seed is not None:
-            if seq.generator is None:
-                seq.generator = torch.Generator(device=device).manual_seed(seq.sampling_params.seed)
-            meta.generators[row] = seq.generator
+    if any(p.seed is not None for p in params):
+        # len(seq): the position of the token sampled now (tokens still in flight included).
+        meta.row_seeds = to_device(np.array([-1 if p.seed is None else seed_key(p.seed, len(seq))
+                                             for p, seq in zip(params, seqs)], dtype=np.int64))
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     if wanted:
         meta.num_logprobs = max(wanted)
@@ -88,6 +88,22 @@ def _penalties(seqs: list[Sequence], vocab_size: int, to_device: ToDevice,
         frequency=to_device(np.array([p.frequency_penalty for p in params], dtype=np.float32)),
         presence=to_device(np.array([p.presence_penalty for p in params], dtype=np.float32)),
     )
+
+
+MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit ints that scatters nearby inputs."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def seed_key(seed: int, position: int) -> int:
+    """The Philox key (63 bits, >= 0) of a seeded request's draw for the token at `position`: a function
+    of the two alone, so the request draws the same tokens in any batch, and a new key at every token."""
+    return _mix64((_mix64(seed) + position * 0x9E3779B97F4A7C15) & MASK64) >> 1
 
 
 class TokenHistory:

@@ -48,7 +48,6 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []  # per output token, when sampling_params.logprobs is set
         self.cumulative_logprob = 0.0
         self.only_temperature = sampling_params.uses_only_temperature  # the one-pass sampler will do
-        self.generator = None  # torch.Generator of a seeded request, made by the sampler on first use
         self.token_history = None  # numpy copy of token_ids for penalties, grown by the sampler
         self.detokenizer = None  # IncrementalDetokenizer when stop strings or streaming need the text as it grows
         # Index into token_ids of token num_cached_tokens; nonzero only on worker ranks, which

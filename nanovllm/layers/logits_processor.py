@@ -6,29 +6,41 @@ penalties, then (after temperature) min-p, then top-k and top-p. Every function 
 import torch
 
 
-def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """token_ids: [rows, len] padded with `vocab_size` -> [rows, vocab] occurrence counts (float32)."""
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device)
-    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
-    return counts[:, :vocab_size]
-
-
 def apply_penalties(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
                     repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
-    """logits: [rows, vocab]; prompt_ids / output_ids: [rows, len] padded with vocab; penalties: [rows].
+    """logits: [rows, vocab]; prompt_ids / output_ids: [rows, len] padded with vocab; penalties: [rows]
+    (rows whose ids are all padding must have neutral penalties).
 
     repetition divides the positive logits and multiplies the negative logits of every token seen in
     the prompt or the output; frequency is subtracted once per occurrence in the output, presence once
     for any occurrence in the output.
+
+    Only the seen tokens' logits are read and written: the ids are sorted per row, so a token's
+    occurrences form a run, and every position of a run writes the same penalised value.
     """
     vocab_size = logits.shape[1]
-    output_counts = token_counts(output_ids, vocab_size)  # [rows, vocab]
-    seen = (token_counts(prompt_ids, vocab_size) > 0) | (output_counts > 0)
-    repetition = torch.where(seen, repetition.unsqueeze(1), 1.0)
-    logits.mul_(torch.where(logits > 0, 1.0 / repetition, repetition))
-    logits.sub_(frequency.unsqueeze(1) * output_counts)
-    logits.sub_(presence.unsqueeze(1) * (output_counts > 0))
-    return logits
+    ids, order = torch.cat([prompt_ids, output_ids], dim=1).sort(dim=1)  # [rows, len], padding last
+    in_output = (torch.arange(ids.shape[1], device=ids.device) >= prompt_ids.shape[1]).expand_as(ids)
+    in_output = (in_output.gather(1, order) & (ids < vocab_size)).float()
+    # Padding joins the run of the row's last token (with no occurrence), or is token vocab-1 in a row
+    # without tokens, whose neutral penalties leave it unchanged.
+    last_token = (ids < vocab_size).sum(dim=1, keepdim=True).sub_(1).clamp_(min=0)
+    ids = torch.where(ids < vocab_size, ids, ids.gather(1, last_token)).clamp_(max=vocab_size - 1)
+    # Output occurrences per run: the running count at the run's end minus the count before its start.
+    running = in_output.cumsum(dim=1)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    ends = torch.ones_like(ids, dtype=torch.bool)
+    ends[:, :-1] = starts[:, 1:]
+    before = torch.where(starts, running - in_output, -1.0).cummax(dim=1).values
+    at_end = torch.where(ends, running, float("inf")).flip(1).cummin(dim=1).values.flip(1)
+    counts = at_end - before
+    values = logits.gather(1, ids)
+    repetition = repetition.unsqueeze(1)
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values = values - frequency.unsqueeze(1) * counts
+    values = values - presence.unsqueeze(1) * (counts > 0)
+    return logits.scatter_(1, ids, values)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -62,12 +74,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 def _top_k_top_p_from_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
                                  num_candidates: int) -> torch.Tensor:
     """Both filters keep every logit at or above a per-row threshold, found among the row's
-    `num_candidates` largest logits (a partial sort, and no host sync): the k-th largest, raised by
-    top-p to the last of the most likely candidates whose mass reaches top_p. Rows filtering nothing
-    get -inf. Ties with the threshold are kept (the sort path may cut through a tie in top-p)."""
+    `num_candidates` largest logits (a partial sort, and no host sync). Rows filtering nothing get
+    -inf. Ties with the threshold are kept (the sort path may cut through a tie in top-p)."""
     values = logits.topk(num_candidates, dim=-1).values  # [rows, candidates], descending
-    position = torch.arange(num_candidates, device=logits.device)
-    off = top_k >= logits.shape[1]
+    threshold = values.gather(1, last_kept_candidate(values, top_k, top_p))
+    threshold.masked_fill_((top_k >= logits.shape[1]).unsqueeze(1), -float("inf"))
+    return logits.masked_fill_(logits < threshold, -float("inf"))
+
+
+def last_kept_candidate(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """values: each row's largest tempered logits, descending ([rows, candidates], at least the row's
+    k of them; -inf where min-p dropped one) -> [rows, 1]: the position of the last candidate kept, the
+    k-th, or before it the last of the most likely candidates whose mass reaches top_p."""
+    num_candidates = values.shape[1]
+    position = torch.arange(num_candidates, device=values.device)
     in_top_k = position < top_k.unsqueeze(1)  # [rows, candidates]
     last = (top_k.clamp(max=num_candidates) - 1).unsqueeze(1)  # last kept position, [rows, 1]
     if top_p is not None:
@@ -76,5 +96,4 @@ def _top_k_top_p_from_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_
         keep = in_top_k & ((mass_before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1))
         # The most likely candidate is always kept (clamped for a row of NaN logits, which keeps none).
         last = torch.minimum(last, keep.sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
-    threshold = values.gather(1, last).masked_fill_(off.unsqueeze(1), -float("inf"))
-    return logits.masked_fill_(logits < threshold, -float("inf"))
+    return last

@@ -4,12 +4,17 @@ argmax_v p_v / E_v with E_v ~ Exp(1) draws v with probability p_v; in log space 
 argmax_v logit_v / T + G_v with Gumbel noise G_v = -log(-log U_v). On CUDA one Triton kernel does it
 in a single pass over the logits (no softmax, no float32 copy, no host sync per sequence); when the
 rows are fewer than the SMs, it splits each row over several programs and a tiny pass picks the best
-of each row's chunks. A batch in
-which some row uses top-k / top-p / min-p, penalties, a seed or logprobs takes the general path: the
-same race after batched logits processing (`logits_processor.py`), still one call for the whole batch.
+of each row's chunks.
+
+A batch in which some row uses top-k / top-p / min-p, penalties, a seed or logprobs takes the general
+path, still one call for the whole batch. On CUDA: penalties on a float32 copy (`logits_processor.py`,
+sparse), the filters as one threshold per row found without a sort (`sampling_filters.py`), then the
+same race, which skips the logits under each row's threshold. A seeded row's noise is keyed by its
+request's seed and the token's position alone. On CPU the torch reference does the same with sorts and
+per-row generators.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,6 +22,7 @@ import triton.language as tl
 from torch import nn
 
 from nanovllm.layers.logits_processor import apply_min_p, apply_penalties, apply_top_k_top_p
+from nanovllm.layers.sampling_filters import filter_thresholds
 from nanovllm.utils.device import num_sms
 
 
@@ -32,27 +38,35 @@ def _uniforms(seed, first_group, BLOCK: tl.constexpr):
 # A fresh seed every step: Triton must not specialize on its value (divisible by 16 or not, equal to
 # 1), or a new variant compiles mid-run the first time each kind of seed comes up.
 @triton.jit(do_not_specialize=["seed"])
-def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, scores_ptr, tokens_ptr, seed, vocab_size, chunk_size,
-                   BLOCK: tl.constexpr):
-    """Program (row, chunk): the best score of the chunk's columns and its token, into [rows, chunks]."""
+def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, thresholds_ptr, row_seeds_ptr, scores_ptr, tokens_ptr,
+                   seed, vocab_size, chunk_size, FILTERED: tl.constexpr, ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, chunk): the best score of the chunk's columns and its token, into [rows, chunks].
+    FILTERED: logits below the row's threshold are out. ROW_SEEDS: a row with a seed key (>= 0) draws
+    its noise from that key alone, so its token does not depend on the row's place in the batch."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0
     inv_temperature = 1.0 / tl.where(greedy, 1.0, temperature)
+    groups_per_row = tl.cdiv(vocab_size, 4)
+    # The noise depends on (seed, first_group + column) only: the token drawn does not depend on the split.
+    first_group = row * groups_per_row
+    if ROW_SEEDS:
+        row_seed = tl.load(row_seeds_ptr + row)
+        first_group = tl.where(row_seed >= 0, 0, first_group)
+        seed = tl.where(row_seed >= 0, row_seed, seed)
+    threshold = tl.load(thresholds_ptr + row) if FILTERED else -float("inf")
     begin = chunk * chunk_size
     end = tl.minimum(begin + chunk_size, vocab_size)
     best_score = -float("inf")
     best_token = begin
-    groups_per_row = tl.cdiv(vocab_size, 4)
     for start in range(begin, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < end
         logits = tl.load(logits_ptr + row * logits_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        # The noise depends on (seed, row, column) only: the token drawn does not depend on the split.
-        uniform = _uniforms(seed, row * groups_per_row + start // 4, BLOCK)
+        uniform = _uniforms(seed, first_group + start // 4, BLOCK)
         gumbel = -tl.log(-tl.log(uniform))
         scores = tl.where(greedy, logits, logits * inv_temperature + gumbel)
-        scores = tl.where(mask, scores, -float("inf"))
+        scores = tl.where(mask & (logits >= threshold), scores, -float("inf"))
         block_best, block_token = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
         better = block_best > best_score  # strict: the earliest maximum wins, as torch.argmax
         best_token = tl.where(better, start + block_token, best_token)
@@ -65,26 +79,30 @@ def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, scores_ptr, toke
 CHUNK_BLOCK = 1024  # columns per block, and the smallest chunk, when rows are split
 
 
-def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
-                  num_chunks: int | None = None) -> torch.Tensor:
+def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, num_chunks: int | None = None,
+                  thresholds: torch.Tensor | None = None, row_seeds: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [rows, vocab] -> [rows] int64. One program per row, in one pass, once the rows fill the GPU;
     with fewer rows than SMs each row's vocabulary is split over up to `num_chunks` programs (by default
     about two programs per SM; one chunk on CPU) and a second pass takes each row's best chunk, the
-    earliest on ties. The tokens are the same for any split."""
+    earliest on ties. The tokens are the same for any split.
+
+    thresholds: [rows] float32, the smallest logit each row keeps (see sampling_filters).
+    row_seeds: [rows] int64 Philox keys of the seeded rows, -1 for rows drawing from `seed`."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     if num_chunks is None:
         num_chunks = max(1, 2 * num_sms(logits.device) // num_rows) if logits.is_cuda else 1
     if num_chunks == 1:
-        block, num_warps, chunk_size = 4096, 8, vocab_size
+        block, num_warps, chunk_size = min(4096, max(16, triton.next_power_of_2(vocab_size))), 8, vocab_size
     else:  # chunks of whole blocks, at least one block each
         block, num_warps = CHUNK_BLOCK, 4
         chunk_size = triton.cdiv(triton.cdiv(vocab_size, num_chunks), block) * block
         num_chunks = triton.cdiv(vocab_size, chunk_size)
     scores = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     tokens = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
-    _sample_kernel[(num_rows, num_chunks)](logits, logits.stride(0), temperatures, scores, tokens, seed, vocab_size,
-                                           chunk_size, BLOCK=block, num_warps=num_warps)
+    _sample_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), temperatures, thresholds, row_seeds, scores, tokens, seed, vocab_size, chunk_size,
+        FILTERED=thresholds is not None, ROW_SEEDS=row_seeds is not None, BLOCK=block, num_warps=num_warps)
     if num_chunks == 1:
         return tokens.squeeze(1)
     return tokens.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)  # argmax: the earliest best chunk
@@ -124,19 +142,21 @@ class SamplingMetadata:
     temperatures: torch.Tensor  # [rows] float32, 0 = greedy
     top_k: torch.Tensor | None = None  # [rows] int64, vocab_size = off
     top_p: torch.Tensor | None = None  # [rows] float32, 1 = off
-    # The largest k, set when every row with top_p < 1 also has a top_k: then both filters work on
-    # each row's largest num_top_candidates logits instead of a full sort.
-    num_top_candidates: int | None = None
+    max_top_k: int | None = None  # the largest k of the rows with top-k
+    # Whether every row with top_p < 1 also has a top_k: then both filters work on each row's largest
+    # max_top_k logits, else a full sort (torch) or a search (Triton) serves the rows without one.
+    top_p_within_top_k: bool = True
     min_p: torch.Tensor | None = None  # [rows] float32, 0 = off
     penalties: Penalties | None = None
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its request's seeded generator
+    # [rows] int64: the Philox key of each seeded row's draw (sampling_metadata.seed_key), -1 for the others.
+    row_seeds: torch.Tensor | None = None
     suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) [n] each: never sampled
     num_logprobs: int | None = None  # top-N log-probabilities for every row (the largest N any row asks for)
 
     @property
     def only_temperature(self) -> bool:
         return (self.top_k is None and self.top_p is None and self.min_p is None and self.penalties is None
-                and not self.generators and self.num_logprobs is None)
+                and self.row_seeds is None and self.num_logprobs is None)
 
 
 @dataclass(slots=True)
@@ -161,9 +181,10 @@ class SamplerOutput:
         return SamplerOutput(copy(self.token_ids), copy(self.logprob_token_ids), copy(self.logprobs))
 
 
-def sample_with_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The general path, vLLM's order: penalties, greedy argmax, temperature, min-p, top-k / top-p,
-    then the exponential race (per-request generators for seeded rows). logits: [rows, vocab] -> [rows]."""
+def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The general path in torch (the CPU reference), vLLM's order: penalties, greedy argmax,
+    temperature, min-p, top-k / top-p, then the exponential race; a seeded row draws its noise from a
+    generator seeded with its key. logits: [rows, vocab] -> [rows]."""
     logits = logits.to(torch.float32, copy=True)  # [rows, vocab], processed in place
     if meta.penalties is not None:
         p = meta.penalties
@@ -174,11 +195,34 @@ def sample_with_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.
     if meta.min_p is not None:
         apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
-        apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.num_top_candidates)
-    return torch.where(greedy, greedy_tokens, exponential_race(logits, meta.generators))
+        apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k if meta.top_p_within_top_k else None)
+    keys = [] if meta.row_seeds is None else meta.row_seeds.tolist()  # on the host: this path is for the CPU
+    generators = {row: torch.Generator(logits.device).manual_seed(key) for row, key in enumerate(keys) if key >= 0}
+    return torch.where(greedy, greedy_tokens, exponential_race(logits, generators))
+
+
+def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata, seed: int) -> torch.Tensor:
+    """The general path with Triton kernels, in the same order: penalties (on a float32 copy), then the
+    filters as one threshold per row (sampling_filters), then the one-pass race, which skips logits
+    under the threshold and keys each seeded row's noise on its own Philox key."""
+    if meta.penalties is not None:
+        p = meta.penalties
+        logits = apply_penalties(logits.to(torch.float32, copy=True), p.prompt_ids, p.output_ids, p.repetition,
+                                 p.frequency, p.presence)
+    thresholds = None
+    if meta.top_k is not None or meta.top_p is not None or meta.min_p is not None:
+        thresholds = filter_thresholds(logits, meta.temperatures, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k,
+                                       not meta.top_p_within_top_k)
+    return sample_triton(logits, meta.temperatures, seed, thresholds=thresholds, row_seeds=meta.row_seeds)
 
 
 class Sampler(nn.Module):
+    """use_triton: sample with the Triton kernels (None: on CUDA); else with the torch reference."""
+
+    def __init__(self, use_triton: bool | None = None):
+        super().__init__()
+        self.use_triton = use_triton
+
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [rows, vocab] (modified in place) -> a token per row, plus log-probabilities if asked,
         on the device: nothing here waits for the GPU."""
@@ -187,13 +231,18 @@ class Sampler(nn.Module):
         logprobs = None if meta.num_logprobs is None else torch.log_softmax(logits.float(), dim=-1)
         if meta.suppressed is not None:
             logits[meta.suppressed] = -float("inf")
-        if not meta.only_temperature:
-            tokens = sample_with_controls(logits, meta)
-        elif logits.is_cuda:
-            # The kernel's noise seed comes from torch's CPU generator: torch.manual_seed reproduces runs.
-            tokens = sample_triton(logits, meta.temperatures, int(torch.randint(2**31 - 1, ()).item()))
-        else:
+        if self.use_triton if self.use_triton is not None else logits.is_cuda:
+            # The noise seed of the unseeded rows comes from torch's CPU generator: torch.manual_seed
+            # reproduces runs.
+            seed = int(torch.randint(2**31 - 1, ()).item())
+            if meta.only_temperature:
+                tokens = sample_triton(logits, meta.temperatures, seed)
+            else:
+                tokens = sample_with_controls_triton(logits, meta, seed)
+        elif meta.only_temperature:
             tokens = sample_torch(logits, meta.temperatures)
+        else:
+            tokens = sample_with_controls_torch(logits, meta)
         if logprobs is None:
             return SamplerOutput(tokens)
         ids = torch.cat([tokens.unsqueeze(1), logprobs.topk(meta.num_logprobs, dim=-1).indices], dim=1)  # [rows, 1+N]

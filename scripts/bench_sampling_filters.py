@@ -1,0 +1,49 @@
+"""Time the top-k / top-p threshold search (nanovllm/layers/sampling_filters.py) on the GPU, per
+search and per pass, at Qwen3's vocabulary: bf16 logits (16-bit keys, 4 passes) and float32 logits
+(penalised rows, 8 passes), top-k alone, top-p alone, and top-k then top-p.
+
+    python scripts/bench_sampling_filters.py [--rows 256]
+"""
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanovllm.layers import sampling_filters
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+
+    rows, device = args.rows, torch.device("cuda")
+    temperatures = torch.full((rows,), 0.8, device=device)
+    top_k = torch.full((rows,), 50, device=device)
+    top_p = torch.full((rows,), 0.9, device=device)
+    cases = {"top-k 50": (top_k, None), "top-p 0.9": (None, top_p), "top-k 50 + top-p 0.9": (top_k, top_p)}
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(rows, args.vocab, device=device).to(dtype)
+        for name, (k, p) in cases.items():
+            for _ in range(3):
+                sampling_filters.filter_thresholds(logits, temperatures, k, p, None, 50, k is None and p is not None)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.steps):
+                sampling_filters.filter_thresholds(logits, temperatures, k, p, None, 50, k is None and p is not None)
+            end.record()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                sampling_filters.filter_thresholds(logits, temperatures, k, p, None, 50, k is None and p is not None)
+                torch.cuda.synchronize()
+            passes = [f"{e.device_time:.0f}" for e in prof.events() if e.name == "_search_pass_kernel"]
+            print(f"{str(dtype)[6:]:>8} {name:>22}: {start.elapsed_time(end) / args.steps * 1e3:7.0f} us per call; "
+                  f"passes (us): {' '.join(passes)}")
+
+
+if __name__ == "__main__":
+    main()
