@@ -13,7 +13,7 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
     min_p: float = 0.0  # drop tokens less likely than min_p * the top token's probability; 0 = off
-    seed: int | None = None  # per-request generator: the same seed gives the same tokens in any batch
+    seed: int | None = None  # draws keyed by (seed, token position): the same tokens in any batch
     max_tokens: int = 64
     min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many tokens
     ignore_eos: bool = False

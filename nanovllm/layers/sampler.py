@@ -231,7 +231,8 @@ class Sampler(nn.Module):
         logprobs = None if meta.num_logprobs is None else torch.log_softmax(logits.float(), dim=-1)
         if meta.suppressed is not None:
             logits[meta.suppressed] = -float("inf")
-        if self.use_triton if self.use_triton is not None else logits.is_cuda:
+        use_triton = logits.is_cuda if self.use_triton is None else self.use_triton
+        if use_triton:
             # The noise seed of the unseeded rows comes from torch's CPU generator: torch.manual_seed
             # reproduces runs.
             seed = int(torch.randint(2**31 - 1, ()).item())
