@@ -227,8 +227,11 @@ class Sampler(nn.Module):
         """logits: [rows, vocab] (modified in place) -> a token per row, plus log-probabilities if asked,
         on the device: nothing here waits for the GPU."""
         # Log-probabilities of the model's raw logits, before penalties, temperature and filtering, as
-        # vLLM returns by default (logprobs_mode="raw_logprobs").
-        logprobs = None if meta.num_logprobs is None else torch.log_softmax(logits.float(), dim=-1)
+        # vLLM returns by default (logprobs_mode="raw_logprobs"): logit - logsumexp(row), the top N
+        # taken from the raw logits, whose order is the log-softmax's (no [rows, vocab] log-softmax).
+        if meta.num_logprobs is not None:
+            top = logits.topk(meta.num_logprobs, dim=-1)
+            log_normalizer = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
         if meta.suppressed is not None:
             logits[meta.suppressed] = -float("inf")
         use_triton = logits.is_cuda if self.use_triton is None else self.use_triton
@@ -244,7 +247,8 @@ class Sampler(nn.Module):
             tokens = sample_torch(logits, meta.temperatures)
         else:
             tokens = sample_with_controls_torch(logits, meta)
-        if logprobs is None:
+        if meta.num_logprobs is None:
             return SamplerOutput(tokens)
-        ids = torch.cat([tokens.unsqueeze(1), logprobs.topk(meta.num_logprobs, dim=-1).indices], dim=1)  # [rows, 1+N]
-        return SamplerOutput(tokens, ids, logprobs.gather(1, ids))
+        sampled = logits.gather(1, tokens.unsqueeze(1))  # still the raw logit: a suppressed token is never drawn
+        ids = torch.cat([tokens.unsqueeze(1), top.indices], dim=1)  # [rows, 1 + N]
+        return SamplerOutput(tokens, ids, torch.cat([sampled, top.values], dim=1).float() - log_normalizer)
