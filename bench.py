@@ -151,6 +151,11 @@ def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: i
     logits = torch.randn(num_rows, vocab_size, device=device).to(torch.bfloat16)
     sampler = Sampler()
     runs = [(num_rows, name) for name in mixes] + [(1, "temperature only"), (1, "every control, every row")]
+
+    def sample_step(batch: int, seqs: list) -> list[int]:
+        """One step as the engine takes it: metadata from the sequences, sample, tokens to the host."""
+        return sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, to_device)).token_ids.tolist()
+
     for batch, name in runs:
         params = mixes[name]
         seqs = []
@@ -161,17 +166,17 @@ def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: i
                 seq.append_token(randint(0, vocab_size - 1))
             seqs.append(seq)
         for _ in range(5):  # warm-up
-            sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, to_device))
+            sample_step(batch, seqs)
         start = time.perf_counter()
         for _ in range(steps):
-            sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, to_device)).token_ids.tolist()
+            sample_step(batch, seqs)
         print(f"sampler, batch {batch}, vocab {vocab_size}, {name}: "
               f"{(time.perf_counter() - start) / steps * 1e3:.2f} ms/step")
         if name == "every control, every row":  # where the time goes: GPU kernels, then host work
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
-                    sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, to_device)).token_ids.tolist()
+                    sample_step(batch, seqs)
             events = prof.key_averages()
             print(f"GPU time per step {sum(e.self_device_time_total for e in events) / steps / 1e3:.2f} ms")
             for column in ("self_device_time_total", "self_cpu_time_total"):

@@ -13,6 +13,12 @@ from torch.profiler import ProfilerActivity, profile
 from nanovllm.layers import sampling_filters
 
 
+def thresholds(logits, temperatures, top_k, top_p):
+    """The filters as the sampler calls them: top-k among the 50 largest, top-p alone by the search."""
+    return sampling_filters.filter_thresholds(logits, temperatures, top_k, top_p, None, 50,
+                                              top_k is None and top_p is not None)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=256)
@@ -29,16 +35,16 @@ def main():
         logits = torch.randn(rows, args.vocab, device=device).to(dtype)
         for name, (k, p) in cases.items():
             for _ in range(3):
-                sampling_filters.filter_thresholds(logits, temperatures, k, p, None, 50, k is None and p is not None)
+                thresholds(logits, temperatures, k, p)
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(args.steps):
-                sampling_filters.filter_thresholds(logits, temperatures, k, p, None, 50, k is None and p is not None)
+                thresholds(logits, temperatures, k, p)
             end.record()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                sampling_filters.filter_thresholds(logits, temperatures, k, p, None, 50, k is None and p is not None)
+                thresholds(logits, temperatures, k, p)
                 torch.cuda.synchronize()
             passes = [f"{e.device_time:.0f}" for e in prof.events() if e.name == "_search_pass_kernel"]
             print(f"{str(dtype)[6:]:>8} {name:>22}: {start.elapsed_time(end) / args.steps * 1e3:7.0f} us per call; "

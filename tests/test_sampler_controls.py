@@ -177,14 +177,14 @@ def test_kernel_thresholds_keep_exactly_the_allowed_set(dtype):
     meta = metadata(rows(params), 200, KERNEL_DEVICE)
     thresholds = meta_thresholds(logits.to(KERNEL_DEVICE), meta)
     kept = logits >= thresholds.cpu().unsqueeze(1)
+    allowed = [allowed_set(logits[i].float(), p) for i, p in enumerate(params)]
     for i, p in enumerate(params):
-        assert set(kept[i].nonzero().flatten().tolist()) == allowed_set(logits[i].float(), p), (i, p)
+        assert set(kept[i].nonzero().flatten().tolist()) == allowed[i], (i, p)
     # A few rows search with 8 key bits per pass instead of 4: the same thresholds.
     few = slice(0, sampling_filters.FEW_ROWS)
     assert torch.equal(filter_thresholds(logits[few].to(KERNEL_DEVICE), meta.temperatures[few], meta.top_k[few],
                                          meta.top_p[few], meta.min_p[few], meta.max_top_k, True), thresholds[few])
     # Every row through the Sampler once, and ten draws of each row from the race alone.
-    allowed = [allowed_set(logits[i].float(), p) for i, p in enumerate(params)]
     tokens = sample(logits, params, impl="triton").token_ids
     assert all(token in allowed[i] for i, token in enumerate(tokens))
     draws = kernel_draws(logits, params, repeats=10)
