@@ -155,9 +155,10 @@ def _top_p_search(logits: torch.Tensor, active: torch.Tensor, top_p: torch.Tenso
     weights = torch.empty(num_rows, num_chunks, 2 * num_buckets, dtype=torch.float32, device=logits.device)
     arrivals = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
     target = top_p.to(torch.float32, copy=True)  # becomes top_p x the kept mass in the first pass
+    active = active.to(torch.int8)
     for shift in range(key_bits - bucket_bits, -1, -bucket_bits):
         _search_pass_kernel[(num_rows, num_chunks)](
-            logits, logits.stride(0), vocab_size, chunk_size, active.to(torch.int8), lo, shift, floor, row_max,
+            logits, logits.stride(0), vocab_size, chunk_size, active, lo, shift, floor, row_max,
             inv_temperature, weights, arrivals, target, threshold, FIRST=shift == key_bits - bucket_bits,
             KEY_SHIFT=32 - key_bits, NUM_BUCKETS=num_buckets, NUM_BINS=2 * num_buckets, BLOCK=block, num_warps=8)
     return threshold
