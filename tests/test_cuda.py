@@ -103,3 +103,30 @@ def test_sampling_controls_on_cuda(tiny_bf16, prompts):
     for out in first[0::2]:
         assert len(out["logprobs"]) == 8 and all(len(step) >= 3 for step in out["logprobs"])
         assert all(lp <= 0 for step in out["logprobs"] for lp in step.values())
+
+
+def test_sampler_graphs_sample_what_the_eager_sampler_does(tiny_bf16, prompts):
+    """Every control, with the sampler's general path replayed from CUDA graphs (rows padded to the
+    buckets, batches shrinking as requests finish, penalised histories growing, top-p searched in rows
+    without top-k) samples what the eager sampler does for seeded and greedy requests, logprobs too."""
+    def params(i: int) -> SamplingParams:
+        length = dict(max_tokens=10 + 3 * i, ignore_eos=True)
+        if i % 3 == 0:
+            return SamplingParams(temperature=0, min_tokens=4, logprobs=1, **length)
+        if i % 3 == 1:
+            return SamplingParams(temperature=0.8, top_k=10 + i, top_p=0.9, min_p=0.05, seed=i, logprobs=3,
+                                  repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3, **length)
+        return SamplingParams(temperature=0.7, top_p=0.8, seed=i, **length)
+
+    batch = [params(i) for i in range(len(prompts))]
+    outputs = {}
+    for eager in (True, False):
+        with LLM(tiny_bf16, max_model_len=1024, enforce_eager=eager) as llm:
+            outputs[eager] = llm.generate(prompts, batch, use_tqdm=False)
+            if not eager:
+                assert llm.model_runner.sampler_graphs.captured  # the graphs did the sampling
+    for want, got in zip(outputs[True], outputs[False]):
+        assert got["token_ids"] == want["token_ids"]
+        assert ("logprobs" in got) == ("logprobs" in want)
+        for got_step, want_step in zip(got.get("logprobs", []), want.get("logprobs", [])):
+            assert got_step == pytest.approx(want_step, abs=1e-5)

@@ -347,3 +347,38 @@ def test_logprobs_are_the_raw_log_softmax(impl):
         assert ids[1:] == reference[row].topk(3).indices.tolist()
         assert values == pytest.approx(reference[row, ids].tolist(), abs=1e-6)
     assert all(math.isfinite(v) for _, values in out.logprobs for v in values)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padded_metadata_samples_the_same_rows(impl):
+    """Metadata padded for a CUDA graph (neutral rows, sizes rounded up to powers of two) samples the
+    real rows as the exact metadata does: greedy and seeded rows, penalties, min_tokens, logprobs."""
+    torch.manual_seed(6)
+    vocab = 300
+    params = [SamplingParams(temperature=0.9, seed=1, top_k=5, top_p=0.9, repetition_penalty=1.3, logprobs=2),
+              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[4, 9, 11]),
+              SamplingParams(temperature=1.2, seed=2, top_p=0.7, min_p=0.02, frequency_penalty=0.4),
+              SamplingParams(temperature=0, presence_penalty=2.0, logprobs=1),
+              SamplingParams(temperature=0.5, seed=3, top_k=3)]
+    seqs = rows(params, prompt=(4, 5, 6))
+    for seq in seqs[0::2]:
+        for token in (7, 8, 7):
+            seq.append_token(token)
+    exact = metadata(seqs, vocab)
+    padded = build_sampling_metadata(seqs, vocab, torch.from_numpy, num_rows=8)
+    assert padded.temperatures.tolist()[5:] == [0, 0, 0] and padded.top_k.tolist()[5:] == [vocab] * 3
+    assert padded.top_p.tolist()[5:] == [1, 1, 1] and padded.min_p.tolist()[5:] == [0, 0, 0]
+    assert padded.row_seeds.tolist()[5:] == [-1, -1, -1] and padded.penalties.repetition.tolist()[5:] == [1, 1, 1]
+    assert (exact.max_top_k, padded.max_top_k) == (5, 8)
+    assert (exact.penalties.prompt_ids.shape, padded.penalties.prompt_ids.shape) == ((5, 6), (8, 8))
+    assert torch.all(padded.penalties.output_ids[5:] == vocab)
+    assert padded.suppressed[0].tolist() == [1, 1, 1, 1] and padded.suppressed[1].tolist() == [4, 9, 11, 4]
+    logits = torch.randn(8, vocab)
+    device = KERNEL_DEVICE if impl == "triton" else CPU
+    sampler = Sampler(use_triton=impl == "triton")
+    want = sampler(logits[:5].to(device, copy=True), metadata(seqs, vocab, device))
+    padded = build_sampling_metadata(seqs, vocab, lambda array: torch.from_numpy(array).to(device), num_rows=8)
+    got = sampler(logits.to(device, copy=True), padded)
+    assert got.token_ids.tolist()[:5] == want.token_ids.tolist()
+    assert torch.equal(got.logprob_token_ids[:5], want.logprob_token_ids)
+    assert torch.equal(got.logprobs[:5], want.logprobs)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config, head_dim
-from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.cuda_graph import DecodeGraphs, SamplerGraphs
 from nanovllm.engine.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerEnd
@@ -87,9 +87,11 @@ class ModelRunner:
         # launched before they reach the host, and then takes its input tokens from here.
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.last_token_rows: dict[int, int] = {}  # seq_id -> row in last_tokens
-        self.graphs = None
+        self.graphs = self.sampler_graphs = None
         if is_cuda and not config.enforce_eager:
             self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq)
+            if rank == 0:
+                self.sampler_graphs = SamplerGraphs(self.sampler, config.max_num_seqs)
 
     def _init_process_group(self, port: int):
         """Rendezvous over a TCP store on this engine's own port. Rank 0 waits for the workers to
@@ -117,9 +119,10 @@ class ModelRunner:
         return getattr(self, method)(*args)
 
     def exit(self):
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
+        for graphs in (self.graphs, self.sampler_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.sampler_graphs = None
         self.model = self.kv_cache = self.kv_scales = None  # free the GPU memory even if the engine object lives on
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -280,9 +283,7 @@ class ModelRunner:
         if not sampling_seqs:
             return None
         if self.rank == 0:
-            meta = build_sampling_metadata(sampling_seqs, logits.shape[1], self._to_device,
-                                           self._inflight_tokens)
-            output = self.sampler(logits, meta)
+            output = self._sample(logits, sampling_seqs)
             tokens = output.token_ids
         else:
             tokens = torch.empty(len(sampling_seqs), dtype=torch.int64, device=self.device)
@@ -291,6 +292,13 @@ class ModelRunner:
         self.last_tokens = tokens
         self.last_token_rows = {seq.seq_id: row for row, seq in enumerate(sampling_seqs)}
         return PendingOutput(output, self.channel) if self.rank == 0 else None
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Rank 0: a token per sequence."""
+        if self.sampler_graphs is not None:
+            return self.sampler_graphs(logits, seqs, self._to_device, self._inflight_tokens)
+        return self.sampler(logits, build_sampling_metadata(seqs, logits.shape[1], self._to_device,
+                                                            self._inflight_tokens))
 
 
 class PendingOutput:

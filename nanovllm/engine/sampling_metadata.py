@@ -22,51 +22,75 @@ ALL_CONTROLS = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, repetition_penalt
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: ToDevice,
-                            inflight_tokens: InflightTokens | None = None) -> SamplingMetadata:
+                            inflight_tokens: InflightTokens | None = None,
+                            num_rows: int | None = None) -> SamplingMetadata:
     """`seqs`: the sequences that sample this step, one row each; `to_device` copies a host array to
     the device (the model runner's pinned, non-blocking copy); `inflight_tokens` gives the last tokens of
-    sequences whose previous step has not reached the host yet, on the device (penalties count them)."""
-    meta = SamplingMetadata(to_device(np.array([seq.temperature for seq in seqs], dtype=np.float32)))
+    sequences whose previous step has not reached the host yet, on the device (penalties count them).
+
+    num_rows: pad to this many rows (greedy, with every control off) and round the other sizes up to
+    powers of two (top-k candidates, penalised token ids, suppressed ids), so that a few shapes recur
+    from step to step, as CUDA graphs of the sampler need (cuda_graph.SamplerGraphs)."""
+    shape = _Shape(len(seqs), num_rows)
+    meta = SamplingMetadata(to_device(shape.rows([seq.temperature for seq in seqs], 0, np.float32)))
     # EOS and stop ids of the rows still short of min_tokens.
     suppressed = [(row, token_id) for row, seq in enumerate(seqs)
                   if seq.min_tokens_stop_ids and seq.num_completion_tokens < seq.min_tokens
                   for token_id in seq.min_tokens_stop_ids]
-    if suppressed:
+    if suppressed:  # padded with repeats of the first pair: suppressing it twice changes nothing
+        suppressed += suppressed[:1] * (shape.size(len(suppressed)) - len(suppressed))
         rows, token_ids = to_device(np.array(suppressed, dtype=np.int64).T.copy())  # [2, n]
         meta.suppressed = (rows, token_ids)
     if all(seq.only_temperature for seq in seqs):
         return meta
     params = [seq.sampling_params for seq in seqs]
     if any(p.top_k > 0 for p in params):
-        meta.top_k = to_device(np.array([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
-                                        dtype=np.int64))
+        meta.top_k = to_device(shape.rows([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
+                                          vocab_size, np.int64))
+        meta.max_top_k = min(shape.size(max(min(p.top_k, vocab_size) for p in params if p.top_k > 0)), vocab_size)
     if any(p.top_p < 1 for p in params):
-        meta.top_p = to_device(np.array([p.top_p for p in params], dtype=np.float32))
-    if meta.top_k is not None:
-        meta.max_top_k = max(min(p.top_k, vocab_size) for p in params if p.top_k > 0)
+        meta.top_p = to_device(shape.rows([p.top_p for p in params], 1, np.float32))
     meta.top_p_within_top_k = all(p.top_k > 0 for p in params if p.top_p < 1)
     if any(p.min_p > 0 for p in params):
-        meta.min_p = to_device(np.array([p.min_p for p in params], dtype=np.float32))
+        meta.min_p = to_device(shape.rows([p.min_p for p in params], 0, np.float32))
     if any(p.uses_penalties for p in params):
-        meta.penalties = _penalties(seqs, vocab_size, to_device, inflight_tokens)
+        meta.penalties = _penalties(seqs, vocab_size, to_device, inflight_tokens, shape)
     if any(p.seed is not None for p in params):
         # len(seq): the position of the token sampled now (tokens still in flight included).
-        meta.row_seeds = to_device(np.array([-1 if p.seed is None else seed_key(p.seed, len(seq))
-                                             for p, seq in zip(params, seqs)], dtype=np.int64))
+        meta.row_seeds = to_device(shape.rows([-1 if p.seed is None else seed_key(p.seed, len(seq))
+                                               for p, seq in zip(params, seqs)], -1, np.int64))
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     if wanted:
         meta.num_logprobs = max(wanted)
     return meta
 
 
+class _Shape:
+    """The metadata's sizes: exact, or padded (see build_sampling_metadata's num_rows)."""
+
+    def __init__(self, num_seqs: int, num_rows: int | None):
+        self.num_seqs = num_seqs
+        self.num_rows = num_seqs if num_rows is None else num_rows
+        self.padded = num_rows is not None
+
+    def rows(self, values: list, neutral, dtype) -> np.ndarray:
+        """A row per sequence, then `neutral` in the padding rows."""
+        array = np.full(self.num_rows, neutral, dtype=dtype)
+        array[:self.num_seqs] = values
+        return array
+
+    def size(self, n: int) -> int:
+        return 1 << (n - 1).bit_length() if self.padded else n
+
+
 def _penalties(seqs: list[Sequence], vocab_size: int, to_device: ToDevice,
-               inflight_tokens: InflightTokens | None) -> Penalties:
+               inflight_tokens: InflightTokens | None, shape: _Shape) -> Penalties:
     """Token ids of the penalised rows, prompt and output apart, padded with vocab_size; the other rows
     are all padding and their penalties neutral. A token still in flight is filled in on the device."""
     params = [seq.sampling_params for seq in seqs]
     penalised = [row for row, p in enumerate(params) if p.uses_penalties]
-    ids = np.full((len(seqs), max(len(seqs[row]) for row in penalised)), vocab_size, dtype=np.int64)
-    prompt_lens = np.zeros((len(seqs), 1), dtype=np.int64)
+    ids = np.full((shape.num_rows, shape.size(max(len(seqs[row]) for row in penalised))), vocab_size, dtype=np.int64)
+    prompt_lens = np.zeros((shape.num_rows, 1), dtype=np.int64)
     inflight = []  # (row, position) of the tokens whose values are still on the device
     for row in penalised:
         seq = seqs[row]
@@ -76,7 +100,7 @@ def _penalties(seqs: list[Sequence], vocab_size: int, to_device: ToDevice,
         ids[row, :known] = seq.token_history.update(seq.token_ids, known)
         inflight += [(row, position) for position in range(known, len(seq))]
         prompt_lens[row] = seq.num_prompt_tokens
-    ids, prompt_lens = to_device(ids), to_device(prompt_lens)  # [rows, max_len], [rows, 1]
+    ids, prompt_lens = to_device(ids), to_device(prompt_lens)  # [rows, width], [rows, 1]
     if inflight:
         rows, positions = to_device(np.array(inflight, dtype=np.int64).T.copy())
         ids[rows, positions] = inflight_tokens([seqs[row] for row, _ in inflight])
@@ -84,9 +108,9 @@ def _penalties(seqs: list[Sequence], vocab_size: int, to_device: ToDevice,
     return Penalties(
         prompt_ids=ids.masked_fill(~is_prompt, vocab_size),
         output_ids=ids.masked_fill(is_prompt, vocab_size),
-        repetition=to_device(np.array([p.repetition_penalty for p in params], dtype=np.float32)),
-        frequency=to_device(np.array([p.frequency_penalty for p in params], dtype=np.float32)),
-        presence=to_device(np.array([p.presence_penalty for p in params], dtype=np.float32)),
+        repetition=to_device(shape.rows([p.repetition_penalty for p in params], 1, np.float32)),
+        frequency=to_device(shape.rows([p.frequency_penalty for p in params], 0, np.float32)),
+        presence=to_device(shape.rows([p.presence_penalty for p in params], 0, np.float32)),
     )
 
 

@@ -35,15 +35,16 @@ def _uniforms(seed, first_group, BLOCK: tl.constexpr):
     return tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])
 
 
-# A fresh seed every step: Triton must not specialize on its value (divisible by 16 or not, equal to
-# 1), or a new variant compiles mid-run the first time each kind of seed comes up.
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, thresholds_ptr, row_seeds_ptr, scores_ptr, tokens_ptr,
-                   seed, vocab_size, chunk_size, FILTERED: tl.constexpr, ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr):
+                   seed_ptr, vocab_size, chunk_size, FILTERED: tl.constexpr, ROW_SEEDS: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """Program (row, chunk): the best score of the chunk's columns and its token, into [rows, chunks].
+    The noise is keyed by the step's seed (read from the device: a CUDA graph replays with a new one).
     FILTERED: logits below the row's threshold are out. ROW_SEEDS: a row with a seed key (>= 0) draws
     its noise from that key alone, so its token does not depend on the row's place in the batch."""
     row, chunk = tl.program_id(0), tl.program_id(1)
+    seed = tl.load(seed_ptr)
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0
     inv_temperature = 1.0 / tl.where(greedy, 1.0, temperature)
@@ -79,8 +80,9 @@ def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, thresholds_ptr, 
 CHUNK_BLOCK = 1024  # columns per block, and the smallest chunk, when rows are split
 
 
-def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, num_chunks: int | None = None,
-                  thresholds: torch.Tensor | None = None, row_seeds: torch.Tensor | None = None) -> torch.Tensor:
+def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | torch.Tensor,
+                  num_chunks: int | None = None, thresholds: torch.Tensor | None = None,
+                  row_seeds: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [rows, vocab] -> [rows] int64. One program per row, in one pass, once the rows fill the GPU;
     with fewer rows than SMs each row's vocabulary is split over up to `num_chunks` programs (by default
     about two programs per SM; one chunk on CPU) and a second pass takes each row's best chunk, the
@@ -90,6 +92,8 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, n
     row_seeds: [rows] int64 Philox keys of the seeded rows, -1 for rows drawing from `seed`."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
+    if isinstance(seed, int):
+        seed = torch.tensor([seed], dtype=torch.int64, device=logits.device)
     if num_chunks is None:
         num_chunks = max(1, 2 * num_sms(logits.device) // num_rows) if logits.is_cuda else 1
     if num_chunks == 1:
@@ -142,7 +146,7 @@ class SamplingMetadata:
     temperatures: torch.Tensor  # [rows] float32, 0 = greedy
     top_k: torch.Tensor | None = None  # [rows] int64, vocab_size = off
     top_p: torch.Tensor | None = None  # [rows] float32, 1 = off
-    max_top_k: int | None = None  # the largest k of the rows with top-k
+    max_top_k: int | None = None  # the largest k of the rows with top-k, or more (candidates of top-k)
     # Whether every row with top_p < 1 also has a top_k: then both filters work on each row's largest
     # max_top_k logits, else a full sort (torch) or a search (Triton) serves the rows without one.
     top_p_within_top_k: bool = True
@@ -157,6 +161,20 @@ class SamplingMetadata:
     def only_temperature(self) -> bool:
         return (self.top_k is None and self.top_p is None and self.min_p is None and self.penalties is None
                 and self.row_seeds is None and self.num_logprobs is None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor, in a fixed order."""
+        p = self.penalties
+        groups = (self.temperatures, self.top_k, self.top_p, self.min_p, self.row_seeds), self.suppressed, \
+            None if p is None else (p.prompt_ids, p.output_ids, p.repetition, p.frequency, p.presence)
+        return [t for group in groups if group is not None for t in group if t is not None]
+
+    def shape_key(self) -> tuple:
+        """What a sampling call's work depends on besides the tensors' values: a CUDA graph of the call
+        replays for any metadata with the same key."""
+        fields = (self.top_k, self.top_p, self.min_p, self.penalties, self.row_seeds, self.suppressed)
+        return (tuple(field is None for field in fields), tuple(t.shape for t in self.tensors()), self.max_top_k,
+                self.top_p_within_top_k, self.num_logprobs)
 
 
 @dataclass(slots=True)
@@ -180,6 +198,12 @@ class SamplerOutput:
 
         return SamplerOutput(copy(self.token_ids), copy(self.logprob_token_ids), copy(self.logprobs))
 
+    def first_rows(self, num_rows: int) -> "SamplerOutput":
+        def rows(tensor):
+            return None if tensor is None else tensor[:num_rows]
+
+        return SamplerOutput(rows(self.token_ids), rows(self.logprob_token_ids), rows(self.logprobs))
+
 
 def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The general path in torch (the CPU reference), vLLM's order: penalties, greedy argmax,
@@ -201,7 +225,7 @@ def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> 
     return torch.where(greedy, greedy_tokens, exponential_race(logits, generators))
 
 
-def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata, seed: int) -> torch.Tensor:
+def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata, seed: torch.Tensor) -> torch.Tensor:
     """The general path with Triton kernels, in the same order: penalties (on a float32 copy), then the
     filters as one threshold per row (sampling_filters), then the one-pass race, which skips logits
     under the threshold and keys each seeded row's noise on its own Philox key."""
@@ -232,13 +256,14 @@ class Sampler(nn.Module):
         if meta.num_logprobs is not None:
             top = logits.topk(meta.num_logprobs, dim=-1)
             log_normalizer = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
-        if meta.suppressed is not None:
-            logits[meta.suppressed] = -float("inf")
+        if meta.suppressed is not None:  # (a -inf filled on the device: no host copy in a CUDA graph)
+            logits.index_put_(meta.suppressed, logits.new_full((), -float("inf")))
         use_triton = logits.is_cuda if self.use_triton is None else self.use_triton
         if use_triton:
-            # The noise seed of the unseeded rows comes from torch's CPU generator: torch.manual_seed
-            # reproduces runs.
-            seed = int(torch.randint(2**31 - 1, ()).item())
+            # The noise seed of the unseeded rows, drawn by torch's generator of the logits' device
+            # (torch.manual_seed reproduces runs) without a host sync, so a CUDA graph of this call
+            # draws a new one at every replay.
+            seed = torch.randint(2**31 - 1, (1,), device=logits.device)
             if meta.only_temperature:
                 tokens = sample_triton(logits, meta.temperatures, seed)
             else:
