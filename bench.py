@@ -3,6 +3,7 @@
     python bench.py                       # 256 requests, prompts/outputs uniform in 100..1024 tokens
     python bench.py --single-stream       # one request: time to first token, then decode tok/s
     python bench.py --streams 8           # the same with 8 concurrent requests (tok/s per stream)
+    python bench.py --single-stream --every-control  # ...sampling with top-k/p, min-p, penalties, seed, logprobs
     python bench.py --model DIR --tensor-parallel-size 2 --attention-backend triton
     python bench.py --kv-cache-dtype fp8  # fp8 KV cache (Triton kernels): twice the tokens in the pool
     python bench.py --mixed-sampling      # sampler step time at batch 256 and 1: every control vs temperature only
@@ -62,14 +63,21 @@ def bench_throughput(llm: LLM, runs: int):
         print(f"run {run}: {total} tokens in {seconds:.2f} s = {total / seconds:,.0f} tok/s")
 
 
-def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int):
+EVERY_CONTROL = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.2,
+                     frequency_penalty=0.2, seed=1, logprobs=5)
+
+
+def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, every_control: bool):
     """Time to first token (until every stream's first token is on the host: steps overlap, so a
-    step() call returns before the GPU finishes it), then the decode rate per stream."""
+    step() call returns before the GPU finishes it), then the decode rate per stream. Temperature 0.6,
+    and with every_control, every other sampling control too."""
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
     vocab = min(10000, llm.config.hf_config.vocab_size - 1)
     for _ in range(2):
         prompts = [[randint(0, vocab) for _ in range(prompt_len)] for _ in range(num_streams)]
-        seqs = llm.make_sequences(prompts, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens))
+        controls = EVERY_CONTROL if every_control else {}
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens, **controls)
+        seqs = llm.make_sequences(prompts, params)
         start = time.perf_counter()
         for seq in seqs:
             llm.scheduler.add(seq)
@@ -130,7 +138,10 @@ def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: i
     """Sampler time per decode step (building the metadata from the sequences, sampling, copying the
     tokens back) on bf16 logits: at batch `num_rows`, temperature only, which runs the one-pass kernel,
     vs batches mixing every control; then at batch 1, where the kernel splits the row over the SMs,
-    temperature only and every control. Contexts are half prompt, half output, `context` tokens long."""
+    temperature only and every control. As the engine samples: the general path replayed from CUDA
+    graphs (SamplerGraphs), and for comparison eagerly. Contexts are half prompt, half output,
+    `context` tokens long."""
+    from nanovllm.engine.cuda_graph import SamplerGraphs
     from nanovllm.engine.sampling_metadata import build_sampling_metadata
     from nanovllm.engine.sequence import Sequence
     from nanovllm.layers.sampler import Sampler
@@ -138,23 +149,33 @@ def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: i
     device = torch.device(device)
     to_device = (lambda a: torch.from_numpy(a).pin_memory().to(device, non_blocking=True)) if device.type == "cuda" \
         else torch.from_numpy
-    every = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2,
-                 logprobs=5)
     mixes = {
         "temperature only": [SamplingParams(temperature=0.6), SamplingParams(temperature=0)],
         "mixed controls": [SamplingParams(temperature=0), SamplingParams(temperature=0.6),
                            SamplingParams(temperature=0.6, top_k=50), SamplingParams(top_p=0.9),
                            SamplingParams(min_p=0.05), SamplingParams(repetition_penalty=1.1, frequency_penalty=0.2),
                            SamplingParams(seed=1), SamplingParams(logprobs=5)],
-        "every control, every row": [SamplingParams(temperature=0.6, seed=1, **every)],
+        "every control, every row": [SamplingParams(temperature=0.6, **EVERY_CONTROL)],
     }
     logits = torch.randn(num_rows, vocab_size, device=device).to(torch.bfloat16)
     sampler = Sampler()
+    graphs = SamplerGraphs(sampler, num_rows)
     runs = [(num_rows, name) for name in mixes] + [(1, "temperature only"), (1, "every control, every row")]
 
-    def sample_step(batch: int, seqs: list) -> list[int]:
+    def graphed_step(batch: int, seqs: list) -> list[int]:
         """One step as the engine takes it: metadata from the sequences, sample, tokens to the host."""
+        return graphs(logits[:batch], seqs, to_device).token_ids.tolist()
+
+    def eager_step(batch: int, seqs: list) -> list[int]:
         return sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, to_device)).token_ids.tolist()
+
+    def time_steps(step, batch: int, seqs: list) -> float:
+        for _ in range(5):  # warm-up (and the graph's capture)
+            step(batch, seqs)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(batch, seqs)
+        return (time.perf_counter() - start) / steps * 1e3
 
     for batch, name in runs:
         params = mixes[name]
@@ -165,18 +186,14 @@ def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: i
             for _ in range(context - context // 2):
                 seq.append_token(randint(0, vocab_size - 1))
             seqs.append(seq)
-        for _ in range(5):  # warm-up
-            sample_step(batch, seqs)
-        start = time.perf_counter()
-        for _ in range(steps):
-            sample_step(batch, seqs)
+        eager = "" if name == "temperature only" else f" (eager: {time_steps(eager_step, batch, seqs):.2f} ms)"
         print(f"sampler, batch {batch}, vocab {vocab_size}, {name}: "
-              f"{(time.perf_counter() - start) / steps * 1e3:.2f} ms/step")
+              f"{time_steps(graphed_step, batch, seqs):.2f} ms/step{eager}")
         if name == "every control, every row":  # where the time goes: GPU kernels, then host work
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
-                    sample_step(batch, seqs)
+                    graphed_step(batch, seqs)
             events = prof.key_averages()
             print(f"GPU time per step {sum(e.self_device_time_total for e in events) / steps / 1e3:.2f} ms")
             for column in ("self_device_time_total", "self_cpu_time_total"):
@@ -197,6 +214,8 @@ def main():
     parser.add_argument("--streams", type=int, default=0, help="like --single-stream with this many requests")
     parser.add_argument("--prompt-len", type=int, default=1000, help="prompt length of each stream")
     parser.add_argument("--new-tokens", type=int, default=1024, help="output length of each stream")
+    parser.add_argument("--every-control", action="store_true",
+                        help="streams sample with every control (top-k/p, min-p, penalties, seed, logprobs)")
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps at batch 1 and 256 instead of timing the workload (CUDA)")
     parser.add_argument("--mixed-sampling", action="store_true",
@@ -218,7 +237,7 @@ def main():
             profile_decode(llm, 1)
             profile_decode(llm, 256)
         elif args.single_stream or args.streams:
-            bench_streams(llm, args.prompt_len, args.new_tokens, args.streams or 1)
+            bench_streams(llm, args.prompt_len, args.new_tokens, args.streams or 1, args.every_control)
         else:
             bench_throughput(llm, args.runs)
         if torch.cuda.is_available():
