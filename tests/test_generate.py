@@ -159,9 +159,7 @@ def penalised_greedy(model_path: str, prompt: list[int], params: SamplingParams)
     with torch.no_grad():
         for _ in range(params.max_tokens):
             logits = model(torch.tensor([tokens])).logits[0, -1:].float()
-            vocab = logits.shape[1]
-            output = tokens[len(prompt):] or [vocab]  # padding: vocab
-            apply_penalties(logits, torch.tensor([prompt]), torch.tensor([output]),
+            apply_penalties(logits, torch.tensor([tokens]), torch.tensor([[len(prompt)]]),
                             torch.tensor([params.repetition_penalty]), torch.tensor([params.frequency_penalty]),
                             torch.tensor([params.presence_penalty]))
             tokens.append(int(logits.argmax()))

@@ -241,7 +241,8 @@ def test_penalties_follow_vllm_definitions():
     pad = 6
     prompt = torch.tensor([[0, 1, pad], [3, pad, pad]])
     output = torch.tensor([[2, 2, 4], [pad, pad, pad]])
-    out = apply_penalties(logits.clone(), prompt, output, repetition=torch.tensor([2.0, 1.0]),
+    out = apply_penalties(logits.clone(), torch.cat([prompt, output], dim=1), torch.tensor([[3], [3]]),
+                          repetition=torch.tensor([2.0, 1.0]),
                           frequency=torch.tensor([0.5, 0.0]), presence=torch.tensor([0.25, 0.0]))
     # Row 0: seen = {0, 1 (prompt), 2, 4 (output)}; token 2 twice in the output, token 4 once.
     expected0 = [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 * 2 - 0.25, 3.0, -2.0 * 2 - 0.5 - 0.25, 1.0]
@@ -263,7 +264,8 @@ def test_penalties_match_dense_counting_on_random_histories():
     repetition = torch.tensor([1.3, 0.8, 2.0, 1.0, 1.1, 1.0])
     frequency = torch.tensor([0.2, 0.0, -0.5, 0.3, 1.0, 0.0])
     presence = torch.tensor([0.5, 0.1, 0.0, -0.2, 0.0, 0.0])
-    got = apply_penalties(logits.clone(), prompt, output, repetition, frequency, presence)
+    got = apply_penalties(logits.clone(), torch.cat([prompt, output], dim=1), torch.full((num_rows, 1), 12),
+                          repetition, frequency, presence)
 
     def counts(ids):
         return torch.zeros(num_rows, vocab + 1).scatter_add_(1, ids, torch.ones(ids.shape))[:, :vocab]
@@ -288,11 +290,12 @@ def test_penalty_history_is_built_from_the_sequences():
     logits[:, :3] = torch.tensor([1.0, -1.0, 4.0])
     meta = metadata(seqs, 6)
     p = meta.penalties
-    out = apply_penalties(logits.clone(), p.prompt_ids, p.output_ids, p.repetition, p.frequency, p.presence)
+    assert p.ids.tolist() == [[0, 1, 2, 2], [6, 6, 6, 6]] and p.prompt_lens.tolist() == [[2], [0]]
+    out = apply_penalties(logits.clone(), p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence)
     assert out[0, :3].tolist() == pytest.approx([0.5, -2.0, 4.0 / 2 - 0.5 * 2 - 1.0])
     assert torch.equal(out[1], logits[1])
     seqs[0].append_token(0)  # the history grows with the sequence
-    assert metadata(seqs, 6).penalties.output_ids[0].tolist()[:5] == [6, 6, 2, 2, 0]
+    assert metadata(seqs, 6).penalties.ids[0].tolist() == [0, 1, 2, 2, 0]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -370,8 +373,8 @@ def test_padded_metadata_samples_the_same_rows(impl):
     assert padded.top_p.tolist()[5:] == [1, 1, 1] and padded.min_p.tolist()[5:] == [0, 0, 0]
     assert padded.row_seeds.tolist()[5:] == [-1, -1, -1] and padded.penalties.repetition.tolist()[5:] == [1, 1, 1]
     assert (exact.max_top_k, padded.max_top_k) == (5, 8)
-    assert (exact.penalties.prompt_ids.shape, padded.penalties.prompt_ids.shape) == ((5, 6), (8, 8))
-    assert torch.all(padded.penalties.output_ids[5:] == vocab)
+    assert (exact.penalties.ids.shape, padded.penalties.ids.shape) == ((5, 6), (8, 8))
+    assert torch.all(padded.penalties.ids[5:] == vocab) and padded.penalties.prompt_lens.tolist()[5:] == [[0]] * 3
     assert padded.suppressed[0].tolist() == [1, 1, 1, 1] and padded.suppressed[1].tolist() == [4, 9, 11, 4]
     logits = torch.randn(8, vocab)
     device = KERNEL_DEVICE if impl == "triton" else CPU

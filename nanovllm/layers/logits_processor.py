@@ -6,10 +6,11 @@ penalties, then (after temperature) min-p, then top-k and top-p. Every function 
 import torch
 
 
-def apply_penalties(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
-    """logits: [rows, vocab]; prompt_ids / output_ids: [rows, len] padded with vocab; penalties: [rows]
-    (rows whose ids are all padding must have neutral penalties).
+def apply_penalties(logits: torch.Tensor, ids: torch.Tensor, prompt_lens: torch.Tensor, repetition: torch.Tensor,
+                    frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """logits: [rows, vocab]; ids: [rows, len] each row's prompt then output token ids, padding (the
+    id vocab) anywhere; prompt_lens: [rows, 1], the columns of the prompt; penalties: [rows] (rows whose
+    ids are all padding must have neutral penalties).
 
     repetition divides the positive logits and multiplies the negative logits of every token seen in
     the prompt or the output; frequency is subtracted once per occurrence in the output, presence once
@@ -19,8 +20,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: 
     occurrences form a run, and every position of a run writes the same penalised value.
     """
     vocab_size = logits.shape[1]
-    ids, order = torch.cat([prompt_ids, output_ids], dim=1).sort(dim=1)  # [rows, len], padding last
-    in_output = (torch.arange(ids.shape[1], device=ids.device) >= prompt_ids.shape[1]).expand_as(ids)
+    in_output = torch.arange(ids.shape[1], device=ids.device) >= prompt_lens  # [rows, len]
+    ids, order = ids.sort(dim=1)  # padding last
     in_output = (in_output.gather(1, order) & (ids < vocab_size)).float()
     # Padding joins the run of the row's last token (with no occurrence), or is token vocab-1 in a row
     # without tokens, whose neutral penalties leave it unchanged.

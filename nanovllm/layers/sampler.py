@@ -131,8 +131,8 @@ def sample_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tens
 
 @dataclass(slots=True)
 class Penalties:
-    prompt_ids: torch.Tensor  # [rows, max_len] int64, padded with vocab_size
-    output_ids: torch.Tensor  # [rows, max_len] int64, padded with vocab_size
+    ids: torch.Tensor  # [rows, width] int64: the prompt's then the output's token ids, padded with vocab_size
+    prompt_lens: torch.Tensor  # [rows, 1] int64
     repetition: torch.Tensor  # [rows] float32, 1 = off
     frequency: torch.Tensor  # [rows] float32, 0 = off
     presence: torch.Tensor  # [rows] float32, 0 = off
@@ -166,7 +166,7 @@ class SamplingMetadata:
         """Every tensor, in a fixed order."""
         p = self.penalties
         groups = (self.temperatures, self.top_k, self.top_p, self.min_p, self.row_seeds), self.suppressed, \
-            None if p is None else (p.prompt_ids, p.output_ids, p.repetition, p.frequency, p.presence)
+            None if p is None else (p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence)
         return [t for group in groups if group is not None for t in group if t is not None]
 
     def shape_key(self) -> tuple:
@@ -212,7 +212,7 @@ def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> 
     logits = logits.to(torch.float32, copy=True)  # [rows, vocab], processed in place
     if meta.penalties is not None:
         p = meta.penalties
-        apply_penalties(logits, p.prompt_ids, p.output_ids, p.repetition, p.frequency, p.presence)
+        apply_penalties(logits, p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence)
     greedy = meta.temperatures == 0
     greedy_tokens = logits.argmax(dim=-1)
     logits.div_(torch.where(greedy, 1.0, meta.temperatures).unsqueeze(1))
@@ -231,7 +231,7 @@ def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata, se
     under the threshold and keys each seeded row's noise on its own Philox key."""
     if meta.penalties is not None:
         p = meta.penalties
-        logits = apply_penalties(logits.to(torch.float32, copy=True), p.prompt_ids, p.output_ids, p.repetition,
+        logits = apply_penalties(logits.to(torch.float32, copy=True), p.ids, p.prompt_lens, p.repetition,
                                  p.frequency, p.presence)
     thresholds = None
     if meta.top_k is not None or meta.top_p is not None or meta.min_p is not None:
