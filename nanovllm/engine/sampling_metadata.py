@@ -89,7 +89,7 @@ def _to_device_packed(arrays: dict[str, np.ndarray], to_device: ToDevice) -> dic
         offsets.append(total)
         total += -(-array.nbytes // 8) * 8
     packed = np.empty(total // 8, dtype=np.int64)
-    for array, offset in zip(arrays.values(), offsets):  # copied as their own dtype: bytes copy ~10x slower
+    for array, offset in zip(arrays.values(), offsets):  # copied in their own dtype, not byte by byte
         start = offset // array.itemsize
         packed.view(array.dtype)[start:start + array.size] = array.reshape(-1)
     device = to_device(packed).view(torch.uint8)
