@@ -6,8 +6,7 @@
 # holding another checkout (e.g. `git archive <commit>` unpacked under the ignored .device/): the
 # benches also listed in BASELINE_BENCHES (default: all) run there too, right after ours, for a
 # same-run baseline. Every item runs under `timeout $STEP_TIMEOUT` (tests: $TEST_TIMEOUT) and logs as it goes.
-# (tests/test_model_families.py is left out: it compares with transformers on the CPU, in float32, and
-# fails on the GPU for that reason, see BENCHMARKS.md, fifth session.)
+# (The CPU suite, marked cpu_suite, skips itself where CUDA is visible: see tests/conftest.py.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -8,6 +8,8 @@ from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.layers.logits_processor import apply_penalties
 from tests.conftest import NUM_NEW_TOKENS, _hf_model, hf_greedy
 
+pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 
 

@@ -8,6 +8,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, StreamDecoder, WindowDecoder
 from tests.conftest import NUM_NEW_TOKENS, _hf_model
 
+pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 
 

@@ -8,6 +8,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 from tests.conftest import _hf_model
 
+pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
+
 
 def our_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits at every position of every prompt from one batched prefill."""

@@ -15,6 +15,8 @@ from nanovllm.utils.tiny_model import write_tiny_llama, write_tiny_qwen2
 from tests.conftest import NUM_NEW_TOKENS, _hf_model, hf_greedy
 from tests.test_model import our_logits
 
+pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
+
 FAMILIES = {
     "qwen2": lambda path: write_tiny_qwen2(path),
     "llama": lambda path: write_tiny_llama(path),

@@ -21,6 +21,8 @@ from nanovllm.utils.tiny_model import write_tiny_qwen3
 from tests.conftest import hf_greedy
 from tests.test_generate import GREEDY, PreemptionCounter
 
+pytestmark = pytest.mark.cpu_suite  # tensor parallel over gloo on the CPU, exact against transformers (see conftest)
+
 
 def test_tp2_matches_transformers_with_chunking_preemption_and_prefix_hits(tiny_model, prompts, hf_reference):
     # 8 blocks of 16 tokens hold at most two requests: preemption; a 20-token budget chunks prompts;
