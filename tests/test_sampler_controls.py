@@ -376,6 +376,10 @@ def test_padded_metadata_samples_the_same_rows(impl):
     assert (exact.penalties.ids.shape, padded.penalties.ids.shape) == ((5, 6), (8, 8))
     assert torch.all(padded.penalties.ids[5:] == vocab) and padded.penalties.prompt_lens.tolist()[5:] == [[0]] * 3
     assert padded.suppressed[0].tolist() == [1, 1, 1, 1] and padded.suppressed[1].tolist() == [4, 9, 11, 4]
+    # A smaller batch in the same bucket has the same shapes: the same CUDA graph serves both.
+    fewer = build_sampling_metadata(seqs[:4], vocab, torch.from_numpy, num_rows=8)
+    assert fewer.shape_key() == padded.shape_key() != exact.shape_key()
+    assert [t.shape for t in fewer.tensors()] == [t.shape for t in padded.tensors()]
     logits = torch.randn(8, vocab)
     device = KERNEL_DEVICE if impl == "triton" else CPU
     sampler = Sampler(use_triton=impl == "triton")

@@ -164,10 +164,11 @@ class SamplingMetadata:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor, in a fixed order."""
-        p = self.penalties
-        groups = (self.temperatures, self.top_k, self.top_p, self.min_p, self.row_seeds), self.suppressed, \
-            None if p is None else (p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence)
-        return [t for group in groups if group is not None for t in group if t is not None]
+        tensors = [self.temperatures, self.top_k, self.top_p, self.min_p, self.row_seeds, *(self.suppressed or ())]
+        if self.penalties is not None:
+            p = self.penalties
+            tensors += [p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence]
+        return [t for t in tensors if t is not None]
 
     def shape_key(self) -> tuple:
         """What a sampling call's work depends on besides the tensors' values: a CUDA graph of the call
