@@ -22,8 +22,10 @@ CPU = torch.device("cpu")
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def metadata(seqs: list[Sequence], vocab_size: int, device: torch.device = CPU) -> SamplingMetadata:
-    return build_sampling_metadata(seqs, vocab_size, lambda array: torch.from_numpy(array).to(device))
+def metadata(seqs: list[Sequence], vocab_size: int, device: torch.device = CPU,
+             num_rows: int | None = None) -> SamplingMetadata:
+    return build_sampling_metadata(seqs, vocab_size, lambda array: torch.from_numpy(array).to(device),
+                                   num_rows=num_rows)
 
 
 def rows(params: list[SamplingParams], prompt=(1, 2, 3)) -> list[Sequence]:
@@ -368,7 +370,7 @@ def test_padded_metadata_samples_the_same_rows(impl):
         for token in (7, 8, 7):
             seq.append_token(token)
     exact = metadata(seqs, vocab)
-    padded = build_sampling_metadata(seqs, vocab, torch.from_numpy, num_rows=8)
+    padded = metadata(seqs, vocab, num_rows=8)
     assert padded.temperatures.tolist()[5:] == [0, 0, 0] and padded.top_k.tolist()[5:] == [vocab] * 3
     assert padded.top_p.tolist()[5:] == [1, 1, 1] and padded.min_p.tolist()[5:] == [0, 0, 0]
     assert padded.row_seeds.tolist()[5:] == [-1, -1, -1] and padded.penalties.repetition.tolist()[5:] == [1, 1, 1]
@@ -377,15 +379,14 @@ def test_padded_metadata_samples_the_same_rows(impl):
     assert torch.all(padded.penalties.ids[5:] == vocab) and padded.penalties.prompt_lens.tolist()[5:] == [[0]] * 3
     assert padded.suppressed[0].tolist() == [1, 1, 1, 1] and padded.suppressed[1].tolist() == [4, 9, 11, 4]
     # A smaller batch in the same bucket has the same shapes: the same CUDA graph serves both.
-    fewer = build_sampling_metadata(seqs[:4], vocab, torch.from_numpy, num_rows=8)
+    fewer = metadata(seqs[:4], vocab, num_rows=8)
     assert fewer.shape_key() == padded.shape_key() != exact.shape_key()
     assert [t.shape for t in fewer.tensors()] == [t.shape for t in padded.tensors()]
     logits = torch.randn(8, vocab)
     device = KERNEL_DEVICE if impl == "triton" else CPU
     sampler = Sampler(use_triton=impl == "triton")
     want = sampler(logits[:5].to(device, copy=True), metadata(seqs, vocab, device))
-    padded = build_sampling_metadata(seqs, vocab, lambda array: torch.from_numpy(array).to(device), num_rows=8)
-    got = sampler(logits.to(device, copy=True), padded)
+    got = sampler(logits.to(device, copy=True), metadata(seqs, vocab, device, num_rows=8))
     assert got.token_ids.tolist()[:5] == want.token_ids.tolist()
     assert torch.equal(got.logprob_token_ids[:5], want.logprob_token_ids)
     assert torch.equal(got.logprobs[:5], want.logprobs)
