@@ -8,10 +8,12 @@ from nanovllm.layers.attention import (
     AttentionMetadata,
     flash_attention,
     quantize_cache_fp8,
+    quantize_fp8,
     store_kvcache_torch,
     store_kvcache_triton,
     torch_attention,
     triton_attention,
+    v_token_major,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,6 +46,13 @@ def test_store_kernel_matches_indexed_copy(num_kv_heads, head_dim):
     torch.testing.assert_close(written, key[slots >= 0])
 
 
+def fp8_caches(num_blocks, block_size, num_kv_heads, head_dim, fill) -> list[torch.Tensor]:
+    """An fp8 K cache [num_blocks, block_size, kv_heads, head_dim] and V cache [num_blocks, kv_heads,
+    head_dim, block_size] (tokens contiguous), filled with `fill`."""
+    shapes = (num_blocks, block_size, num_kv_heads, head_dim), (num_blocks, num_kv_heads, head_dim, block_size)
+    return [torch.full(shape, fill, device=DEVICE).to(torch.float8_e4m3fn) for shape in shapes]
+
+
 @pytest.mark.parametrize("store", [store_kvcache_triton, store_kvcache_torch], ids=["triton", "torch"])
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 16), (3, 8), (8, 128)])
 def test_fp8_store_never_saturates(store, num_kv_heads, head_dim):
@@ -55,13 +64,13 @@ def test_fp8_store_never_saturates(store, num_kv_heads, head_dim):
     key, value = kv[:, 0], kv[:, 1]
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
     slots[3] = slots[11] = -1  # padding rows write nothing
-    caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), device=DEVICE)
-              .to(torch.float8_e4m3fn) for _ in range(2)]
+    caches = fp8_caches(num_blocks, block_size, num_kv_heads, head_dim, float("nan"))
     scales = [torch.full((num_blocks, num_kv_heads, block_size), float("nan"), device=DEVICE) for _ in range(2)]
     store(key, value, *caches, slots, *scales)
     valid = slots >= 0
-    for x, cache, scale in zip((key, value), caches, scales):
-        cache, scale = cache.view(-1, num_kv_heads, head_dim).float(), scale.transpose(1, 2).reshape(-1, num_kv_heads)
+    for x, cache, scale in zip((key, value), (caches[0], v_token_major(caches[1])), scales):
+        cache = cache.float().reshape(-1, num_kv_heads, head_dim)
+        scale = scale.transpose(1, 2).reshape(-1, num_kv_heads)
         assert cache[slots[valid]].isfinite().all() and scale[slots[valid]].isfinite().all()
         unwritten = torch.ones(len(cache), dtype=torch.bool, device=DEVICE)
         unwritten[slots[valid]] = False
@@ -79,21 +88,27 @@ def test_fp8_store_never_saturates(store, num_kv_heads, head_dim):
 
 @pytest.mark.parametrize("store", [store_kvcache_triton, store_kvcache_torch], ids=["triton", "torch"])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_fp8_store_scale_layout(store, block_size):
-    """Slot s's scale of head h lands at [s // block_size, h, s % block_size], and nowhere else."""
+def test_fp8_store_layout(store, block_size):
+    """Slot s's scale of head h lands at [s // block_size, h, s % block_size]; its K at [s // block_size,
+    s % block_size, h, :] and its V at [s // block_size, h, :, s % block_size]; nothing else is written."""
     torch.manual_seed(0)
     num_blocks, num_kv_heads, head_dim = 3, 3, 8
     slots = [0, 1, block_size - 1, block_size, 2 * block_size + 5, 3 * block_size - 1]
     key, value = torch.randn(2, len(slots), num_kv_heads, head_dim, device=DEVICE)
-    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE).to(torch.float8_e4m3fn)
-              for _ in range(2)]
+    caches = fp8_caches(num_blocks, block_size, num_kv_heads, head_dim, 0.0)
     scales = [torch.zeros(num_blocks, num_kv_heads, block_size, device=DEVICE) for _ in range(2)]
     store(key, value, *caches, torch.tensor(slots, device=DEVICE), *scales)
-    for x, scale in zip((key, value), scales):
-        expected = torch.zeros_like(scale)
+    for x, cache, scale, is_v in zip((key, value), caches, scales, (False, True)):
+        expected, expected_scale = torch.zeros_like(cache, dtype=torch.float32), torch.zeros_like(scale)
         for i, slot in enumerate(slots):
-            expected[slot // block_size, :, slot % block_size] = x[i].abs().amax(-1) / 448  # [kv_heads]
-        torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
+            block, offset = slot // block_size, slot % block_size
+            quantized, expected_scale[block, :, offset] = quantize_fp8(x[i])  # [kv_heads, head_dim], [kv_heads]
+            if is_v:
+                expected[block, :, :, offset] = quantized.float()
+            else:
+                expected[block, offset] = quantized.float()
+        torch.testing.assert_close(scale, expected_scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(cache.float(), expected, rtol=0, atol=0)
 
 
 def make_paged_step(prompt_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, is_prefill=True):
@@ -153,9 +168,9 @@ def test_torch_reference_matches_dense_attention():
 
 def test_torch_reference_reads_an_fp8_cache():
     q, k, v, k_cache, v_cache, meta = make_paged_step([5, 19, 1], [0, 16, 0], 4, 2, 8, 4, torch.float32)
-    (k8, k_scale), (v8, v_scale) = quantize_cache_fp8(k_cache), quantize_cache_fp8(v_cache)
+    k8, k_scale, v8, v_scale = quantize_cache_fp8(k_cache, v_cache)
     out = torch_attention(q, k, v, k8, v8, meta, 0.3, k_scale, v_scale)
-    dequantized = [x.float() * s.transpose(1, 2)[..., None] for x, s in ((k8, k_scale), (v8, v_scale))]
+    dequantized = [x.float() * s.transpose(1, 2)[..., None] for x, s in ((k8, k_scale), (v_token_major(v8), v_scale))]
     torch.testing.assert_close(out, torch_attention(q, k, v, *dequantized, meta, 0.3), rtol=1e-6, atol=1e-6)
 
 
@@ -165,10 +180,10 @@ def test_fp8_layer_triton_matches_torch(is_prefill, cached_lens):
     vs attention over the unquantized cache."""
     lens = [40, 19, 1]
     q, k, v, k_cache, v_cache, meta = make_paged_step(lens, cached_lens, 4, 2, 16, 16, torch.float32, is_prefill)
-    (k8, k_scale), (v8, v_scale) = quantize_cache_fp8(k_cache), quantize_cache_fp8(v_cache)  # the cached prefix
+    k8, k_scale, v8, v_scale = quantize_cache_fp8(k_cache, v_cache)  # the cached prefix
     slots, page = meta.slot_mapping, k8.size(1)  # the step's slots hold only what the layer's store writes
-    for x in (k8, v8):
-        x.view(-1, *x.shape[2:])[slots] = float("nan")
+    for x in (k8, v_token_major(v8)):
+        x[slots // page, slots % page] = float("nan")
     for x in (k_scale, v_scale):
         x[slots // page, :, slots % page] = float("nan")
     outs = {}

@@ -91,8 +91,9 @@ def make_slots(num_tokens, num_slots, device=DEVICE, seed=0) -> torch.Tensor:
 def nan_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, fp8, device=DEVICE) -> dict:
     """A layer's caches, NaN-filled, as qk_norm_rope's keyword arguments: fp8 with their scales, or of dtype."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    cache = {name: torch.full(shape, float("nan"), device=device).to(torch.float8_e4m3fn if fp8 else dtype)
-             for name in ("k_cache", "v_cache")}
+    v_shape = (num_blocks, num_kv_heads, head_dim, block_size) if fp8 else shape  # fp8 V: tokens contiguous
+    cache = {name: torch.full(size, float("nan"), device=device).to(torch.float8_e4m3fn if fp8 else dtype)
+             for name, size in (("k_cache", shape), ("v_cache", v_shape))}
     if fp8:
         cache |= {name: torch.full((num_blocks, num_kv_heads, block_size), float("nan"), device=device)
                   for name in ("k_scale", "v_scale")}

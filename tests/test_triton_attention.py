@@ -17,7 +17,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from nanovllm.layers import triton_attention as ta  # noqa: E402
-from nanovllm.layers.attention import quantize_cache_fp8  # noqa: E402
+from nanovllm.layers.attention import quantize_cache_fp8, v_token_major  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -54,8 +54,9 @@ def make_cache(context_lens, block_size, kvh, d, dtype=torch.float32, spare_bloc
 def fp8_cache(k_cache, v_cache):
     """The caches quantized as the KV store writes them (NaN slots stay NaN): fp8 k, v, their scales
     as kernel kwargs, and the dequantized float64 k, v the reference reads."""
-    (k8, k_scale), (v8, v_scale) = quantize_cache_fp8(k_cache), quantize_cache_fp8(v_cache)
-    dequantized = [x.double() * s.transpose(1, 2)[..., None].double() for x, s in ((k8, k_scale), (v8, v_scale))]
+    k8, k_scale, v8, v_scale = quantize_cache_fp8(k_cache, v_cache)
+    dequantized = [x.double() * s.transpose(1, 2)[..., None].double()
+                   for x, s in ((k8, k_scale), (v_token_major(v8), v_scale))]
     return k8, v8, dict(k_scale=k_scale, v_scale=v_scale), *dequantized
 
 

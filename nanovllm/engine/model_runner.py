@@ -132,8 +132,9 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------------
 
     def _allocate_kv_cache(self) -> int:
-        """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views;
-        with an fp8 cache also the scales, [2, layers, blocks, kv_heads, block_size] float32."""
+        """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views (an
+        fp8 V cache viewed [blocks, kv_heads, head_dim, block_size]); with an fp8 cache also the scales,
+        [2, layers, blocks, kv_heads, block_size] float32."""
         hf = self.config.hf_config
         cache_dtype = self.config.kv_cache_torch_dtype
         fp8 = cache_dtype == torch.float8_e4m3fn
@@ -163,7 +164,8 @@ class ModelRunner:
         attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         for i, layer in enumerate(attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            if fp8:
+            if fp8:  # V tokens contiguous (attention.py)
+                layer.v_cache = layer.v_cache.view(num_blocks, self.num_kv_heads, self.head_dim, self.block_size)
                 layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
         return num_blocks
 

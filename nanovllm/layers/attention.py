@@ -10,6 +10,12 @@ With kv_cache_dtype="fp8" the caches are float8_e4m3fn and each layer also has k
 so the scales of a block's consecutive tokens of one head are contiguous): a token's head x is stored
 as x / s with s = amax(|x|) / 448, so its largest element maps to e4m3's largest finite value and none
 saturates, whatever their magnitude. Only the Triton and torch backends read such a cache.
+
+An fp8 V cache is laid out [num_blocks, num_kv_heads, head_dim, block_size]: tokens contiguous. The
+attention kernels' P @ V product reduces over tokens, and the tensor cores read 8-bit operands only
+with the reduced dimension contiguous; in the token-major layout the decode kernel fetched V from
+shared memory byte by byte. `v_token_major` gives every V cache as [num_blocks, block_size,
+num_kv_heads, head_dim] (a view), which is how the torch code reads and writes it.
 """
 
 from collections.abc import Callable
@@ -77,8 +83,24 @@ def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_
     if FP8:
         key = _quantize_fp8(key, k_scale_ptr, slot, D, BLOCK_D, HEAD_DIM, PAGE)
         value = _quantize_fp8(value, v_scale_ptr, slot, D, BLOCK_D, HEAD_DIM, PAGE)
+        # [num_blocks, kv_heads, head_dim, PAGE]: element `offsets` (head * HEAD_DIM + d) is PAGE apart
+        value_offsets = (slot // PAGE) * (D * PAGE) + offsets * PAGE + slot % PAGE
+    else:
+        value_offsets = slot * D + offsets
     tl.store(k_cache_ptr + slot * D + offsets, key, mask=mask)
-    tl.store(v_cache_ptr + slot * D + offsets, value, mask=mask)
+    tl.store(v_cache_ptr + value_offsets, value, mask=mask)
+
+
+def v_token_major(v_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's V cache as [num_blocks, block_size, num_kv_heads, head_dim], a view: an fp8 V cache is
+    stored [num_blocks, num_kv_heads, head_dim, block_size] (module docstring)."""
+    return v_cache.permute(0, 3, 1, 2) if v_cache.dtype == torch.float8_e4m3fn else v_cache
+
+
+def fp8_v_layout(v: torch.Tensor) -> torch.Tensor:
+    """A token-major [num_blocks, block_size, num_kv_heads, head_dim] V cache in the fp8 V cache's layout,
+    [num_blocks, num_kv_heads, head_dim, block_size] (a contiguous copy)."""
+    return v.permute(0, 2, 3, 1).contiguous()
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
@@ -86,7 +108,7 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.
     """Asserts what the Triton KV stores assume of a layer's cache (see the module docstring); returns
     whether it is fp8."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert k_cache.shape == v_token_major(v_cache).shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert fp8 == (k_scale is not None), "an fp8 cache comes with its scales"
     if fp8:
@@ -118,11 +140,12 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
-def quantize_cache_fp8(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole [num_blocks, block_size, kv_heads, head_dim] cache -> (fp8 cache, float32 scales
-    [num_blocks, kv_heads, block_size]), as the KV store would have written it."""
-    x, scale = quantize_fp8(cache)
-    return x, scale.transpose(1, 2).contiguous()
+def quantize_cache_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Whole [num_blocks, block_size, kv_heads, head_dim] K and V caches -> (k_cache, k_scale, v_cache,
+    v_scale) in fp8 as the KV store would have written them: scales [num_blocks, kv_heads, block_size]
+    float32, V in the fp8 V layout."""
+    (k, k_scale), (v, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
+    return k, k_scale.transpose(1, 2).contiguous(), fp8_v_layout(v), v_scale.transpose(1, 2).contiguous()
 
 
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -130,13 +153,13 @@ def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
                         v_scale: torch.Tensor | None = None):
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    block_size = k_cache.size(1)
-    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+    blocks, offsets = slots // k_cache.size(1), slots % k_cache.size(1)
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_token_major(v_cache), v_scale)):
         x = x[valid]  # [tokens, kv_heads, head_dim]
         if scales is not None:  # fp8 cache
             x, token_scales = quantize_fp8(x)
-            scales[slots // block_size, :, slots % block_size] = token_scales  # [tokens, kv_heads]
-        cache.view(-1, *x.shape[1:])[slots] = x
+            scales[blocks, :, offsets] = token_scales  # [tokens, kv_heads]
+        cache[blocks, offsets] = x
 
 
 def _gather(cache, scales, blocks, num_keys) -> torch.Tensor:
@@ -162,7 +185,7 @@ def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
         start, end = query_starts[i], query_starts[i + 1]
         blocks = meta.block_tables[i, :(num_keys + block_size - 1) // block_size].long()
         keys = _gather(k_cache, k_scale, blocks, num_keys).repeat_interleave(group, dim=1)  # [keys, heads, dim]
-        values = _gather(v_cache, v_scale, blocks, num_keys).repeat_interleave(group, dim=1)
+        values = _gather(v_token_major(v_cache), v_scale, blocks, num_keys).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
         # Query j sits at position num_keys - num_queries + j and sees keys up to that position.
         query_pos = torch.arange(num_keys - (end - start), num_keys, device=q.device)

@@ -17,17 +17,21 @@ from nanovllm.utils.device import pdl_enabled
 
 @triton.jit
 def _store_head(x1, x2, cache_ptr, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
-                PAGE: tl.constexpr, FP8: tl.constexpr):
+                PAGE: tl.constexpr, FP8: tl.constexpr, IS_V: tl.constexpr):
     """Writes KV head `head` of one token, as its halves x1, x2 [D // 2], to cache slot `slot`; into an fp8
     cache quantized as the KV store does (a scale per token and head: this one head's)."""
+    half = tl.arange(0, D // 2)
     if FP8:
         x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
         scale = store_fp8_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), scale_ptr, slot, head,
                                 NUM_KV_HEADS, PAGE)
         x1, x2 = (x1 / scale).to(tl.float8e4nv), (x2 / scale).to(tl.float8e4nv)
-    dst = cache_ptr + (slot * NUM_KV_HEADS + head) * D + tl.arange(0, D // 2)
-    tl.store(dst, x1)
-    tl.store(dst + D // 2, x2)
+    if FP8 and IS_V:  # [num_blocks, kv_heads, D, PAGE]: the head's elements are PAGE apart
+        base, step = ((slot // PAGE) * NUM_KV_HEADS + head) * (D * PAGE) + slot % PAGE, PAGE
+    else:
+        base, step = (slot * NUM_KV_HEADS + head) * D, 1
+    tl.store(cache_ptr + base + half * step, x1)
+    tl.store(cache_ptr + base + (half + D // 2) * step, x2)
 
 
 @triton.jit
@@ -52,7 +56,7 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride
         if head >= NUM_HEADS + NUM_KV_HEADS:  # a v head: stored unchanged
             if slot != -1:
                 _store_head(x1, x2, v_cache_ptr, v_scale_ptr, slot, head - NUM_HEADS - NUM_KV_HEADS, NUM_KV_HEADS,
-                            D, PAGE, FP8)
+                            D, PAGE, FP8, IS_V=True)
             return
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -84,7 +88,8 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride
     tl.store(dst + D // 2, y2)
     if STORE:
         if not is_q and slot != -1:
-            _store_head(y1, y2, k_cache_ptr, k_scale_ptr, slot, head - NUM_HEADS, NUM_KV_HEADS, D, PAGE, FP8)
+            _store_head(y1, y2, k_cache_ptr, k_scale_ptr, slot, head - NUM_HEADS, NUM_KV_HEADS, D, PAGE, FP8,
+                        IS_V=False)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,

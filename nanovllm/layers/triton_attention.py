@@ -5,9 +5,11 @@ contiguous). Token t of sequence b lives in block block_tables[b, t // block_siz
 t % block_size. The softmax runs in the log2 domain (exp2, with scale * log2(e) folded into the
 logits) and accumulates in float32.
 
-fp8 KV cache: k_cache, v_cache are float8_e4m3fn and k_scale, v_scale [num_blocks, num_kv_heads,
-block_size] float32 hold each token's per-head scale (cached value = x / scale, see
-attention.quantize_fp8), so the scales a tile needs for one kv head are contiguous. The scales are
+fp8 KV cache: k_cache, v_cache are float8_e4m3fn, v_cache laid out [num_blocks, num_kv_heads, head_dim,
+block_size] (tokens contiguous, attention.py says why; the kernels take V's strides apart from K's), and
+k_scale, v_scale [num_blocks, num_kv_heads, block_size] float32 hold each token's per-head scale
+(cached value = x / scale, see attention.quantize_fp8), so the scales a tile needs for one kv head are
+contiguous. The scales are
 applied where they cost least: key j's logits are multiplied by k_scale[j] (q . (s k) = s (q . k)) and
 the probabilities by v_scale[j] before the PV product, so the fp8 tiles only need converting. They
 are converted to float16, not bfloat16: e4m3 -> f16 is one instruction per pair on sm_89+, e4m3 ->
@@ -20,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.attention import v_token_major
 from nanovllm.utils.device import num_sms, pdl_enabled
 
 LOG2E = 1.4426950408889634
@@ -30,10 +33,11 @@ NEG_INF = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, limit, kv_head,
-             stride_kb, stride_kt, stride_kh, stride_sb, stride_sh,
+             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh,
              D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
     """K and V tiles [BLOCK_N, D] of tokens start..start+BLOCK_N of one kv head, and their scales
-    [BLOCK_N] (with FP8; else ones, which _softmax_step does not read); tokens >= limit read 0."""
+    [BLOCK_N] (with FP8; else ones, which _softmax_step does not read); tokens >= limit read 0.
+    K's head_dim is contiguous; V's strides are its own (an fp8 V has contiguous tokens, stride_vt 1)."""
     tok = start + tl.arange(0, BLOCK_N)
     mask = tok < limit
     if BLOCK_N <= PAGE:  # start is BLOCK_N-aligned, so the tile lies in one page: one block id
@@ -43,10 +47,11 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
     else:  # a block id per token
         blk = tl.load(block_table_ptr + tok // PAGE, mask=mask, other=0).to(tl.int64)
         offset = tok % PAGE
-    rows = blk * stride_kb + offset * stride_kt + kv_head * stride_kh  # [BLOCK_N] int64
-    offs = rows[:, None] + tl.arange(0, D)[None, :]
-    k = tl.load(k_ptr + offs, mask=mask[:, None], other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask[:, None], other=0.0)
+    d = tl.arange(0, D)[None, :]
+    k_rows = blk * stride_kb + offset * stride_kt + kv_head * stride_kh  # [BLOCK_N] int64
+    v_rows = blk * stride_vb + offset * stride_vt + kv_head * stride_vh
+    k = tl.load(k_ptr + k_rows[:, None] + d, mask=mask[:, None], other=0.0)
+    v = tl.load(v_ptr + v_rows[:, None] + d * stride_vd, mask=mask[:, None], other=0.0)
     if FP8:  # scales [num_blocks, KVH, PAGE]
         scale_offs = blk * stride_sb + kv_head * stride_sh + offset
         k_scale = tl.load(k_scale_ptr + scale_offs, mask=mask, other=0.0)
@@ -92,7 +97,7 @@ def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ptr, m_ptr,
     l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
-    stride_sb, stride_sh, stride_bt,
+    stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
     PDL: tl.constexpr,
@@ -124,8 +129,8 @@ def _decode_kernel(
     acc = tl.zeros([G_PAD, D], tl.float32)
     for s in range(start, end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
-                                          stride_kb, stride_kt, stride_kh, stride_sb, stride_sh,
-                                          D, PAGE, BLOCK_N, FP8)
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
         kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, kv_mask, sm_scale_log2,
                                       DOT_PRECISION, FP8)
@@ -164,7 +169,7 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
     sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
-    stride_sb, stride_sh, stride_bt,
+    stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
 ):
@@ -198,14 +203,14 @@ def _prefill_kernel(
     kv_end = tl.minimum(first + BLOCK_M, ctx)
     for s in range(0, full_end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
-                                          stride_kb, stride_kt, stride_kh, stride_sb, stride_sh,
-                                          D, PAGE, BLOCK_N, FP8)
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, None, sm_scale_log2,
                                       DOT_PRECISION, FP8)
     for s in range(full_end, kv_end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
-                                          stride_kb, stride_kt, stride_kh, stride_sb, stride_sh,
-                                          D, PAGE, BLOCK_N, FP8)
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
         key = s + tl.arange(0, BLOCK_N)
         causal = (key[None, :] <= pos[:, None]) & (key < ctx)[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, causal, sm_scale_log2,
@@ -218,7 +223,8 @@ def _prefill_kernel(
 
 def _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out) -> str:
     """Validate layouts; return the tl.dot input precision for q's dtype."""
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    v = v_token_major(v_cache)
+    assert k_cache.shape == v.shape and (v.stride(-1) == 1 or v.stride(1) == 1)
     assert (k_cache.dtype == torch.float8_e4m3fn) == (k_scale is not None), "an fp8 cache comes with its scales"
     if k_scale is not None:
         num_blocks, block_size, kvh, _ = k_cache.shape
@@ -303,7 +309,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, part_acc, part_max, part_sum,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_sh, block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_token_major(v_cache).stride(), stride_sb, stride_sh,
+        block_tables.stride(0),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q), PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
@@ -341,7 +348,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_sh, block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_token_major(v_cache).stride(), stride_sb, stride_sh,
+        block_tables.stride(0),
         G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
         FP8=k_cache.dtype == torch.float8_e4m3fn, FP8_COMPUTE=_fp8_compute_dtype(q),
         num_warps=num_warps or (8 if block_m * D >= 128 * 128 else 4), num_stages=num_stages or 2,
