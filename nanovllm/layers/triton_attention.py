@@ -36,8 +36,12 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh,
              D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
     """K and V tiles [BLOCK_N, D] of tokens start..start+BLOCK_N of one kv head, and their scales
-    [BLOCK_N] (with FP8; else ones, which _softmax_step does not read); tokens >= limit read 0.
-    K's head_dim is contiguous; V's strides are its own (an fp8 V has contiguous tokens, stride_vt 1)."""
+    [BLOCK_N] (with FP8, 0 for tokens >= limit; else ones, which _softmax_step does not read).
+    K's head_dim is contiguous; V's strides are its own (an fp8 V has contiguous tokens, stride_vt 1).
+
+    The K/V loads are not masked: a mask that varies along V's contiguous token axis would split the
+    loads into single bytes. Tokens >= limit read whatever their slot holds (NaN included), from their
+    page or block 0, never out of bounds; _softmax_step masks their logits and zeroes their V."""
     tok = start + tl.arange(0, BLOCK_N)
     mask = tok < limit
     if BLOCK_N <= PAGE:  # start is BLOCK_N-aligned, so the tile lies in one page: one block id
@@ -50,8 +54,8 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
     d = tl.arange(0, D)[None, :]
     k_rows = blk * stride_kb + offset * stride_kt + kv_head * stride_kh  # [BLOCK_N] int64
     v_rows = blk * stride_vb + offset * stride_vt + kv_head * stride_vh
-    k = tl.load(k_ptr + k_rows[:, None] + d, mask=mask[:, None], other=0.0)
-    v = tl.load(v_ptr + v_rows[:, None] + d * stride_vd, mask=mask[:, None], other=0.0)
+    k = tl.load(k_ptr + k_rows[:, None] + d)
+    v = tl.load(v_ptr + v_rows[:, None] + d * stride_vd)
     if FP8:  # scales [num_blocks, KVH, PAGE]
         scale_offs = blk * stride_sb + kv_head * stride_sh + offset
         k_scale = tl.load(k_scale_ptr + scale_offs, mask=mask, other=0.0)
@@ -63,16 +67,19 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
 
 
 @triton.jit
-def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
+def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, keys_valid, sm_scale_log2,
                   DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax update of (m_i [M], l_i [M], acc [M, D]) with a key/value tile.
 
-    q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None. With FP8, k and v are fp8 with
-    scales k_scale, v_scale [N]. m_i is in scaled log2 units.
+    q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None. keys_valid [N]: which keys exist
+    (the others' K/V are garbage, see _load_kv; mask must exclude them) or None for all. With FP8, k
+    and v are fp8 with scales k_scale, v_scale [N]. m_i is in scaled log2 units.
     """
     if FP8:  # compute in q's dtype (fp16 for a 16-bit q, see _fp8_compute_dtype); scales applied per key below
         k = k.to(q.dtype)
         v = v.to(q.dtype)
+    if keys_valid is not None:  # their probability is 0, but 0 * NaN is not
+        v = tl.where(keys_valid[:, None], v, 0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
     if FP8:
         qk = qk * k_scale[None, :]
@@ -127,13 +134,20 @@ def _decode_kernel(
     m_i = tl.full([G_PAD], NEG_INF, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for s in range(start, end, BLOCK_N):
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for s in range(start, full_end, BLOCK_N):  # whole tiles: every key exists
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                           stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
-        kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, kv_mask, sm_scale_log2,
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, None, None, sm_scale_log2,
                                       DOT_PRECISION, FP8)
+    if full_end < end:  # the last, partial tile
+        k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, full_end, end,
+                                          kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                          stride_vd, stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
+        valid = full_end + tl.arange(0, BLOCK_N) < end
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, valid[None, :], valid,
+                                      sm_scale_log2, DOT_PRECISION, FP8)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 -> zeros
@@ -205,7 +219,7 @@ def _prefill_kernel(
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                           stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, None, sm_scale_log2,
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, None, None, sm_scale_log2,
                                       DOT_PRECISION, FP8)
     for s in range(full_end, kv_end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
@@ -213,7 +227,7 @@ def _prefill_kernel(
                                           stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
         key = s + tl.arange(0, BLOCK_N)
         causal = (key[None, :] <= pos[:, None]) & (key < ctx)[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, causal, sm_scale_log2,
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, causal, key < ctx, sm_scale_log2,
                                       DOT_PRECISION, FP8)
 
     out = acc / l_i[:, None]
