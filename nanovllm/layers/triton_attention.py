@@ -278,10 +278,10 @@ def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
 def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
     """Default (block_n, num_warps, num_stages) of the decode kernel.
 
-    fp8: H200 sweep of 2026-11-30 (H=16, KVH=8, D=128, 256-token pages), 128/4/2 was the best tile at
-    every large shape: B=256 ctx=1024 2.35 TB/s (the 16-bit default 64/4/3 reached ~2.0 TB/s, 47% of
-    copy bandwidth), B=32 ctx=2048 1.86 at 1 split, B=8 ctx=4096 1.52 at 4 splits. The bf16 cache
-    keeps 64/4/3.
+    fp8: H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128, 256-token pages), 128/4/2 was the best tile at
+    every large shape, before and after V went token-contiguous: B=256 ctx=1024 3.05 TB/s (72% of copy
+    bandwidth; 128/4/3 and 128/4/4 the same), B=32 ctx=2048 2.38 at 2 splits, B=8 ctx=4096 1.71 at 8
+    splits. The bf16 cache keeps 64/4/3.
     """
     if fp8:  # a tile may span pages (then each token looks up its block id)
         return 128, 4, 2
@@ -355,8 +355,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     B = context_lens.shape[0]
     if T == 0 or B == 0:
         return out
-    block_m = block_m or min(128, max(16, triton.next_power_of_2(max_seqlen_q)))
-    block_n = block_n or (128 if D <= 128 else 64)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    # fp8: 64/64/4/3 was the best of the eight swept tiles at every shape (H200, 2026-11-30, H=16, KVH=8,
+    # D=128): 1.73-1.79x flash-attn's time on bf16, against 1.98-2.24x with the 16-bit default 128/128/8/2.
+    block_m = block_m or min(64 if fp8 else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
+    block_n = block_n or (64 if fp8 or D > 128 else 128)
     grid = (triton.cdiv(max_seqlen_q, block_m), H, B)
     k_scale, v_scale, stride_sb, stride_sh = _scale_args(k_cache, v_cache, k_scale, v_scale)
     _prefill_kernel[grid](
@@ -365,7 +368,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_token_major(v_cache).stride(), stride_sb, stride_sh,
         block_tables.stride(0),
         G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
-        FP8=k_cache.dtype == torch.float8_e4m3fn, FP8_COMPUTE=_fp8_compute_dtype(q),
-        num_warps=num_warps or (8 if block_m * D >= 128 * 128 else 4), num_stages=num_stages or 2,
+        FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q),
+        num_warps=num_warps or (8 if block_m * D >= 128 * 128 else 4), num_stages=num_stages or (3 if fp8 else 2),
     )
     return out
