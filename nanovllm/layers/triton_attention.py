@@ -39,9 +39,10 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
     [BLOCK_N] (with FP8, 0 for tokens >= limit; else ones, which _softmax_step does not read).
     K's head_dim is contiguous; V's strides are its own (an fp8 V has contiguous tokens, stride_vt 1).
 
-    The K/V loads are not masked: a mask that varies along V's contiguous token axis would split the
-    loads into single bytes. Tokens >= limit read whatever their slot holds (NaN included), from their
-    page or block 0, never out of bounds; _softmax_step masks their logits and zeroes their V."""
+    16-bit tokens >= limit read 0. fp8 K/V loads are not masked: a mask that varies along V's contiguous
+    token axis would split them into single bytes. There tokens >= limit read whatever their slot
+    holds (NaN included), from their page or block 0, never out of bounds; _softmax_step masks their
+    logits and zeroes their V."""
     tok = start + tl.arange(0, BLOCK_N)
     mask = tok < limit
     if BLOCK_N <= PAGE:  # start is BLOCK_N-aligned, so the tile lies in one page: one block id
@@ -54,8 +55,12 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
     d = tl.arange(0, D)[None, :]
     k_rows = blk * stride_kb + offset * stride_kt + kv_head * stride_kh  # [BLOCK_N] int64
     v_rows = blk * stride_vb + offset * stride_vt + kv_head * stride_vh
-    k = tl.load(k_ptr + k_rows[:, None] + d)
-    v = tl.load(v_ptr + v_rows[:, None] + d * stride_vd)
+    k_ptrs, v_ptrs = k_ptr + k_rows[:, None] + d, v_ptr + v_rows[:, None] + d * stride_vd
+    if FP8:
+        k, v = tl.load(k_ptrs), tl.load(v_ptrs)
+    else:  # free: the mask is constant along head_dim, the contiguous axis
+        k = tl.load(k_ptrs, mask=mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
     if FP8:  # scales [num_blocks, KVH, PAGE]
         scale_offs = blk * stride_sb + kv_head * stride_sh + offset
         k_scale = tl.load(k_scale_ptr + scale_offs, mask=mask, other=0.0)
@@ -71,15 +76,16 @@ def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, keys_valid, sm
                   DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax update of (m_i [M], l_i [M], acc [M, D]) with a key/value tile.
 
-    q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None. keys_valid [N]: which keys exist
-    (the others' K/V are garbage, see _load_kv; mask must exclude them) or None for all. With FP8, k
-    and v are fp8 with scales k_scale, v_scale [N]. m_i is in scaled log2 units.
+    q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None. With FP8, k and v are fp8 with
+    scales k_scale, v_scale [N], and keys_valid [N] says which keys exist (None: all): the others' K/V
+    are garbage (_load_kv), so mask must exclude them and their V is zeroed here. m_i is in scaled
+    log2 units.
     """
     if FP8:  # compute in q's dtype (fp16 for a 16-bit q, see _fp8_compute_dtype); scales applied per key below
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-    if keys_valid is not None:  # their probability is 0, but 0 * NaN is not
-        v = tl.where(keys_valid[:, None], v, 0.0)
+        if keys_valid is not None:  # their probability is 0, but 0 * NaN is not
+            v = tl.where(keys_valid[:, None], v, 0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
     if FP8:
         qk = qk * k_scale[None, :]
@@ -134,18 +140,24 @@ def _decode_kernel(
     m_i = tl.full([G_PAD], NEG_INF, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for s in range(start, full_end, BLOCK_N):  # whole tiles: every key exists
+    # A 16-bit tile masks its absent keys in the load, so the loop runs to the end. fp8 loads are not
+    # masked: the loop takes the whole tiles and the last, partial one runs apart, its V zeroed (zeroing
+    # in every tile cost 12% of bench.py).
+    loop_end = end
+    if FP8:
+        loop_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for s in range(start, loop_end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                           stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, None, None, sm_scale_log2,
-                                      DOT_PRECISION, FP8)
-    if full_end < end:  # the last, partial tile
-        k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, full_end, end,
+        valid = s + tl.arange(0, BLOCK_N) < end
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, valid[None, :], None,
+                                      sm_scale_log2, DOT_PRECISION, FP8)
+    if FP8 and loop_end < end:
+        k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, loop_end, end,
                                           kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                           stride_vd, stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
-        valid = full_end + tl.arange(0, BLOCK_N) < end
+        valid = loop_end + tl.arange(0, BLOCK_N) < end
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, valid[None, :], valid,
                                       sm_scale_log2, DOT_PRECISION, FP8)
 
