@@ -150,8 +150,11 @@ def _decode_kernel(
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                           stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
-        valid = s + tl.arange(0, BLOCK_N) < end
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, valid[None, :], None,
+        if FP8:  # a whole tile: every key exists
+            kv_mask = None
+        else:
+            kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, kv_mask, None,
                                       sm_scale_log2, DOT_PRECISION, FP8)
     if FP8 and loop_end < end:
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, loop_end, end,
