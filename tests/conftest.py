@@ -1,6 +1,7 @@
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,17 +17,25 @@ def _round_like_the_gpu():
     """Triton's interpreter (3.6 to 3.9 at least) rounds float32 to fp8 e4m3 by incrementing the 3-bit
     mantissa without carrying into the exponent (126.9 becomes 64, not 128), and float32 to bfloat16 by
     truncating. Convert through torch, which rounds to nearest even like the GPU's cvt.rn, so the fp8 KV
-    store and bf16 kernels can be tested on CPU."""
+    store and bf16 kernels can be tested on CPU. It also reads e4m3fn's NaN (0x7F, 0xFF) as +-480, so a
+    kernel that lets a NaN slot of an fp8 cache into its result would pass on CPU: fp8 is widened
+    through torch too."""
     import triton.language as tl
     from triton.runtime import interpreter
 
     convert = interpreter._convert_float
     torch_dtypes = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.int16)}
 
+    wider = {tl.float16: (torch.float16, torch.int16), tl.float32: (torch.float32, torch.int32)}
+
     def fixed(input, input_dtype, output_dtype, rounding_mode):
         if input_dtype == tl.float32 and output_dtype in torch_dtypes:
             dtype, bits = torch_dtypes[output_dtype]
             return torch.tensor(input, dtype=torch.float32).to(dtype).view(bits).numpy()
+        if input_dtype == tl.float8e4nv and output_dtype in wider:
+            dtype, bits = wider[output_dtype]
+            fp8 = torch.from_numpy(np.frombuffer(input.tobytes(), dtype=np.uint8).copy()).view(torch.float8_e4m3fn)
+            return fp8.to(dtype).view(bits).numpy().reshape(input.shape)
         return convert(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = fixed
