@@ -9,13 +9,12 @@ fp8 KV cache: k_cache, v_cache are float8_e4m3fn, v_cache laid out [num_blocks, 
 block_size] (tokens contiguous, attention.py says why; the kernels take V's strides apart from K's), and
 k_scale, v_scale [num_blocks, num_kv_heads, block_size] float32 hold each token's per-head scale
 (cached value = x / scale, see attention.quantize_fp8), so the scales a tile needs for one kv head are
-contiguous. The scales are
-applied where they cost least: key j's logits are multiplied by k_scale[j] (q . (s k) = s (q . k)) and
-the probabilities by v_scale[j] before the PV product, so the fp8 tiles only need converting. They
-are converted to float16, not bfloat16: e4m3 -> f16 is one instruction per pair on sm_89+, e4m3 ->
-bf16 several, and fp16 holds every e4m3 value exactly. A bf16 q is converted to fp16 too (exact in
-fp16's range: |q| < 65504, which normed queries are far below). A constexpr FP8 flag leaves the
-16-bit path untouched.
+contiguous. The scales are applied where they cost least: key j's logits are multiplied by k_scale[j]
+(q . (s k) = s (q . k)) and the probabilities by v_scale[j] before the PV product, so the fp8 tiles
+only need converting. They are converted to float16, not bfloat16: e4m3 -> f16 is one instruction per
+pair on sm_89+, e4m3 -> bf16 several, and fp16 holds every e4m3 value exactly. A bf16 q is converted
+to fp16 too (exact in fp16's range: |q| < 65504, which normed queries are far below). A constexpr FP8
+flag leaves the 16-bit path untouched.
 """
 
 import torch
@@ -252,8 +251,8 @@ def _prefill_kernel(
 
 def _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out) -> str:
     """Validate layouts; return the tl.dot input precision for q's dtype."""
-    v = v_token_major(v_cache)
-    assert k_cache.shape == v.shape and (v.stride(-1) == 1 or v.stride(1) == 1)
+    v = v_token_major(v_cache)  # fp8: tokens contiguous (stride 1), else head_dim
+    assert k_cache.shape == v.shape and v.stride(1 if k_cache.dtype == torch.float8_e4m3fn else -1) == 1
     assert (k_cache.dtype == torch.float8_e4m3fn) == (k_scale is not None), "an fp8 cache comes with its scales"
     if k_scale is not None:
         num_blocks, block_size, kvh, _ = k_cache.shape
@@ -308,8 +307,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     """Single-token attention of each sequence over its paged KV cache.
 
     q: [B, H, D], the query at position context_lens[b] - 1 (its K/V already in the cache).
-    k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: int32 [B, max_blocks];
-    context_lens: int32 [B] (0 = padding row: output zeros, no KV read). Returns [B, H, D] in q.dtype.
+    k_cache, v_cache: [num_blocks, block_size, KVH, D] (an fp8 v_cache [num_blocks, KVH, D, block_size]);
+    block_tables: int32 [B, max_blocks]; context_lens: int32 [B] (0 = padding row: output zeros, no KV
+    read). Returns [B, H, D] in q.dtype.
     k_scale, v_scale: [num_blocks, KVH, block_size] float32, given iff the cache is float8_e4m3fn.
     out: optional [B, H, D] destination. num_splits (a power of two), block_n, num_warps and
     num_stages override the launch heuristics (_decode_num_splits, _decode_tile).
@@ -358,7 +358,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     q: [T, H, D]; sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (int32 [B+1]) and sit at
     the last n_q_b positions of its context_lens[b] (int32 [B]) keys, all already in the cache; query i
     attends to keys at positions <= context_lens[b] - n_q_b + i. Covers plain, chunked and prefix-cached
-    prefill. k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: int32 [B, max_blocks].
+    prefill. k_cache, v_cache: [num_blocks, block_size, KVH, D] (an fp8 v_cache [num_blocks, KVH, D,
+    block_size]); block_tables: int32 [B, max_blocks].
     k_scale, v_scale: [num_blocks, KVH, block_size] float32, given iff the cache is float8_e4m3fn.
     max_seqlen_q: max n_q_b (a host int). out: optional [T, H, D] destination. block_m, block_n,
     num_warps and num_stages override the defaults. Returns [T, H, D] in q.dtype.
