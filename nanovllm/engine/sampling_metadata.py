@@ -41,7 +41,7 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: To
     if suppressed:  # padded with repeats of the first pair: suppressing it twice changes nothing
         suppressed += suppressed[:1] * (shape.size(len(suppressed)) - len(suppressed))
         host["suppressed"] = np.array(suppressed, dtype=np.int64).T.copy()  # [2, n]: rows, token ids
-    max_top_k, top_p_within_top_k, num_logprobs = None, True, None
+    max_top_k, top_p_within_top_k, num_logprobs, penalty_ids = None, True, None, None
     if not all(seq.only_temperature for seq in seqs):
         params = [seq.sampling_params for seq in seqs]
         if any(p.top_k > 0 for p in params):
@@ -54,7 +54,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: To
         if any(p.min_p > 0 for p in params):
             host["min_p"] = shape.rows([p.min_p for p in params], 0, np.float32)
         if any(p.uses_penalties for p in params):
-            host.update(_penalty_arrays(seqs, vocab_size, shape))
+            penalty_ids, penalty_arrays = _penalty_arrays(seqs, vocab_size, shape)
+            host.update(penalty_arrays)
         if any(p.seed is not None for p in params):
             # len(seq): the position of the token sampled now (tokens still in flight included).
             host["row_seeds"] = shape.rows([-1 if p.seed is None else seed_key(p.seed, len(seq))
@@ -62,13 +63,11 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: To
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             num_logprobs = max(wanted)
-    penalty_ids = host.pop("penalty_ids", None)  # [rows, width]: large, copied alone rather than packed again
     device = _to_device_packed(host, to_device)
     penalties = None
-    if penalty_ids is not None:
-        device["penalty_ids"] = to_device(penalty_ids)
-        penalties = Penalties(*(device[name] for name in ("penalty_ids", "prompt_lens", "repetition", "frequency",
-                                                          "presence")))
+    if penalty_ids is not None:  # [rows, width]: large, copied alone rather than packed
+        penalties = Penalties(to_device(penalty_ids), device["prompt_lens"], device["repetition"], device["frequency"],
+                              device["presence"])
         if "inflight" in device:  # fill in the tokens whose values are still on the device
             rows, positions = device["inflight"]
             penalties.ids[rows, positions] = inflight_tokens([seqs[row] for row in host["inflight"][0]])
@@ -118,10 +117,11 @@ class _Shape:
         return 1 << (n - 1).bit_length() if self.padded else n
 
 
-def _penalty_arrays(seqs: list[Sequence], vocab_size: int, shape: _Shape) -> dict[str, np.ndarray]:
-    """Token ids of the penalised rows (prompt, then output), padded with vocab_size, and the prompts'
-    lengths; the other rows are all padding and their penalties neutral. "inflight": [2, n] (row,
-    position) of the tokens still on the device, left as padding here."""
+def _penalty_arrays(seqs: list[Sequence], vocab_size: int, shape: _Shape) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Token ids [rows, width] of the penalised rows (prompt, then output), padded with vocab_size (the
+    other rows are all padding), and the small arrays: the prompts' lengths, the penalties (neutral in
+    the other rows) and "inflight", [2, n] (row, position) of the tokens still on the device, left as
+    padding in the ids."""
     params = [seq.sampling_params for seq in seqs]
     penalised = [row for row, p in enumerate(params) if p.uses_penalties]
     ids = np.full((shape.num_rows, shape.size(max(len(seqs[row]) for row in penalised))), vocab_size, dtype=np.int64)
@@ -135,13 +135,13 @@ def _penalty_arrays(seqs: list[Sequence], vocab_size: int, shape: _Shape) -> dic
         ids[row, :known] = seq.token_history.update(seq.token_ids, known)
         inflight += [(row, position) for position in range(known, len(seq))]
         prompt_lens[row] = seq.num_prompt_tokens
-    arrays = dict(penalty_ids=ids, prompt_lens=prompt_lens,
+    arrays = dict(prompt_lens=prompt_lens,
                   repetition=shape.rows([p.repetition_penalty for p in params], 1, np.float32),
                   frequency=shape.rows([p.frequency_penalty for p in params], 0, np.float32),
                   presence=shape.rows([p.presence_penalty for p in params], 0, np.float32))
     if inflight:
         arrays["inflight"] = np.array(inflight, dtype=np.int64).T.copy()
-    return arrays
+    return ids, arrays
 
 
 MASK64 = (1 << 64) - 1
