@@ -18,8 +18,11 @@ import pytest
 BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "block_tables_ptr": "*i32",
                   "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
-DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False, PDL=True)
-PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False)
+# stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
+DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False, PDL=True,
+              stride_vd=1)
+PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, stride_vd=1)
+FP8_V = dict(FP8=True, stride_vd=None, stride_vt=1)  # merged into a configuration: None drops a key
 STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
 QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
                 "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "slot_mapping_ptr": "*i64"}  # k/v_scale_ptr: *fp32
@@ -27,6 +30,14 @@ QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HAS_NORM=Tru
                                PDL=True)
 SEARCH = {"logits_ptr": "*bf16", "active_ptr": "*i8", "lo_ptr": "*i32", "arrivals_ptr": "*i32"}
 SEARCH_SIZES = dict(NUM_BUCKETS=16, NUM_BINS=32, BLOCK=512)
+
+
+def merge(*dicts: dict) -> dict:
+    """The dicts merged left to right; a None value removes its key."""
+    merged = {}
+    for d in dicts:
+        merged.update(d)
+    return {k: v for k, v in merged.items() if v is not None}
 
 
 def configurations():
@@ -39,12 +50,12 @@ def configurations():
     return {
         "decode bf16": (attention, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (attention, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
-                       {**DECODE, **fp16, "FP8": True, "BLOCK_N": 128, "NUM_SPLITS": 1}),
+                       merge(DECODE, fp16, FP8_V, {"BLOCK_N": 128, "NUM_SPLITS": 1})),
         "decode reduce": (attention, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [],
                           dict(D=128, NUM_SPLITS=4, PDL=True)),
         "prefill bf16": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
         "prefill fp8": (attention, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
-                        {**PREFILL, **fp16, "FP8": True}),
+                        merge(PREFILL, fp16, FP8_V, {"BLOCK_M": 64, "BLOCK_N": 64})),
         "store bf16": ("nanovllm.layers.attention", "_store_kvcache_kernel",
                        {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
                         "slot_mapping_ptr": "*i64"}, [], STORE),
@@ -89,6 +100,15 @@ def configurations():
     }
 
 
+def kernel_signature(fn, pointers: dict, floats: list, constexprs: dict) -> dict[str, str]:
+    """Triton's signature of a @triton.jit kernel, by parameter name: pointers as given (others
+    float32), floats fp32, constexprs "constexpr", other arguments i32."""
+    names = list(inspect.signature(fn.fn).parameters)
+    assert set(constexprs) <= set(names), f"{fn.fn.__name__}: unknown constexpr"
+    return {name: "constexpr" if name in constexprs else pointers.get(name, "*fp32") if name.endswith("_ptr")
+            else "fp32" if name in floats else "i32" for name in names}
+
+
 def build_ir(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict) -> str:
     """Triton IR of the kernel for sm_90: pointers as given (others float32), floats fp32, other arguments i32."""
     import importlib
@@ -99,17 +119,14 @@ def build_ir(module: str, kernel: str, pointers: dict, floats: list, constexprs:
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(module), kernel)
-    names = list(inspect.signature(fn.fn).parameters)
-    assert set(constexprs) <= set(names), f"{kernel}: unknown constexpr"
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*fp32") if name.endswith("_ptr")
-                 else "fp32" if name in floats else "i32" for name in names}
+    signature = kernel_signature(fn, pointers, floats, constexprs)
     target = GPUTarget("cuda", 90, 32)
     backend = CUDABackend(target)
     options = backend.parse_options({})
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    source = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
+    source = ASTSource(fn, signature, {(list(signature).index(k),): v for k, v in constexprs.items()})
     return str(source.make_ir(target, options, backend.get_codegen_implementation(options),
                               backend.get_module_map(), context))
 

@@ -1,0 +1,84 @@
+"""The SASS of a Triton kernel for an H100/H200 (sm_90), built on a machine without a GPU: registers,
+stack (spills), shared memory and a histogram of instructions. It answers "are the loads 16 bytes wide,
+which matrix instructions run, did anything spill" before any device time is spent.
+
+    python scripts/kernel_sass.py                                    # list the configurations
+    python scripts/kernel_sass.py "decode fp8" --num-warps 4 --num-stages 2 [--sass FILE]
+
+The configurations are those of tests/test_kernels_compile_for_gpu.py. Arguments get the
+specializations the runtime gives them: pointers and strides divisible by 16 (aligned tensors,
+strides that are multiples of 16), and a stride of 1 where the configuration says so. Without these
+the loads look scalar, and the SASS misleads. The local Triton may not be the device's (3.6 there), so
+confirm what matters with a GPU run. Reading the fp8 decode kernel this way found V fetched from
+shared memory byte by byte (128 `LDS.U8` per thread per tile; BENCHMARKS.md, seventh session).
+"""
+
+import argparse
+import collections
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not for the interpreter
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+
+from tests.test_kernels_compile_for_gpu import configurations, kernel_signature  # noqa: E402
+
+OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def compile_for_sm90(module, kernel, pointers, floats, constexprs, num_warps, num_stages):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), kernel)
+    signature = kernel_signature(fn, pointers, floats, constexprs)
+    names = list(signature)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if signature[name] != "constexpr" and (name.endswith("_ptr") or name.startswith("stride"))}
+    source = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", help="a configuration name (none: list them)")
+    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--num-stages", type=int, default=2)
+    parser.add_argument("--top", type=int, default=30, help="instructions to list")
+    parser.add_argument("--sass", help="also write the whole SASS to this file")
+    args = parser.parse_args()
+    configs = configurations()
+    if args.config not in configs:
+        print("configurations:\n  " + "\n  ".join(configs))
+        return
+    compiled = compile_for_sm90(*configs[args.config], args.num_warps, args.num_stages)
+    sass = cuobjdump(compiled.asm["cubin"], "-sass")
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass)
+    usage = re.search(r"REG:\d+ STACK:\d+", cuobjdump(compiled.asm["cubin"], "-res-usage"))
+    opcodes = collections.Counter(OPCODE.findall(sass))
+    print(f"{args.config}: {usage.group(0) if usage else '?'} shared {compiled.metadata.shared} bytes, "
+          f"{sum(opcodes.values())} instructions (num_warps {args.num_warps}, num_stages {args.num_stages})")
+    for opcode, count in opcodes.most_common(args.top):
+        print(f"{count:6d}  {opcode}")
+
+
+if __name__ == "__main__":
+    main()
