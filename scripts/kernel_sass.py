@@ -15,7 +15,6 @@ shared memory byte by byte (128 `LDS.U8` per thread per tile; BENCHMARKS.md, sev
 
 import argparse
 import collections
-import importlib
 import os
 import re
 import subprocess
@@ -25,23 +24,16 @@ import tempfile
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not for the interpreter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
 
-from tests.test_kernels_compile_for_gpu import configurations, kernel_signature  # noqa: E402
+from tests.test_kernels_compile_for_gpu import configurations, kernel_source  # noqa: E402
 
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def compile_for_sm90(module, kernel, pointers, floats, constexprs, num_warps, num_stages):
+def compile_for_sm90(config: tuple, num_warps: int, num_stages: int):
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    fn = getattr(importlib.import_module(module), kernel)
-    signature = kernel_signature(fn, pointers, floats, constexprs)
-    names = list(signature)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-               if signature[name] != "constexpr" and (name.endswith("_ptr") or name.startswith("stride"))}
-    source = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+    return triton.compile(kernel_source(*config, aligned=True), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
@@ -67,7 +59,7 @@ def main():
     if args.config not in configs:
         print("configurations:\n  " + "\n  ".join(configs))
         return
-    compiled = compile_for_sm90(*configs[args.config], args.num_warps, args.num_stages)
+    compiled = compile_for_sm90(configs[args.config], args.num_warps, args.num_stages)
     sass = cuobjdump(compiled.asm["cubin"], "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

@@ -100,33 +100,37 @@ def configurations():
     }
 
 
-def kernel_signature(fn, pointers: dict, floats: list, constexprs: dict) -> dict[str, str]:
-    """Triton's signature of a @triton.jit kernel, by parameter name: pointers as given (others
-    float32), floats fp32, constexprs "constexpr", other arguments i32."""
-    names = list(inspect.signature(fn.fn).parameters)
-    assert set(constexprs) <= set(names), f"{fn.fn.__name__}: unknown constexpr"
-    return {name: "constexpr" if name in constexprs else pointers.get(name, "*fp32") if name.endswith("_ptr")
-            else "fp32" if name in floats else "i32" for name in names}
-
-
-def build_ir(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict) -> str:
-    """Triton IR of the kernel for sm_90: pointers as given (others float32), floats fp32, other arguments i32."""
+def kernel_source(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict, aligned: bool = False):
+    """Triton's ASTSource of a @triton.jit kernel: pointers as given (others float32), floats fp32,
+    constexprs fixed, other arguments i32. aligned: pointers and strides divisible by 16, as the runtime
+    specializes them for aligned tensors (scripts/kernel_sass.py)."""
     import importlib
 
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(module), kernel)
-    signature = kernel_signature(fn, pointers, floats, constexprs)
+    names = list(inspect.signature(fn.fn).parameters)
+    assert set(constexprs) <= set(names), f"{kernel}: unknown constexpr"
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*fp32") if name.endswith("_ptr")
+                 else "fp32" if name in floats else "i32" for name in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+             if aligned and name not in constexprs and (name.endswith("_ptr") or name.startswith("stride"))}
+    return ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
+
+
+def build_ir(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict) -> str:
+    """Triton IR of the kernel for sm_90 (see kernel_source for the arguments)."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
     target = GPUTarget("cuda", 90, 32)
     backend = CUDABackend(target)
     options = backend.parse_options({})
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    source = ASTSource(fn, signature, {(list(signature).index(k),): v for k, v in constexprs.items()})
+    source = kernel_source(module, kernel, pointers, floats, constexprs)
     return str(source.make_ir(target, options, backend.get_codegen_implementation(options),
                               backend.get_module_map(), context))
 
