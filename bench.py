@@ -6,6 +6,7 @@
     python bench.py --single-stream --every-control  # ...sampling with top-k/p, min-p, penalties, seed, logprobs
     python bench.py --model DIR --tensor-parallel-size 2 --attention-backend triton
     python bench.py --kv-cache-dtype fp8  # fp8 KV cache (Triton kernels): twice the tokens in the pool
+    python bench.py --breakdown           # ...then where the time goes: prefill vs decode by batch size
     python bench.py --mixed-sampling      # sampler step time at batch 256 and 1: every control vs temperature only
 
 Without --model and without ~/huggingface/Qwen3-0.6B, a random-weight checkpoint with Qwen3-0.6B's
@@ -52,7 +53,7 @@ def upstream_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output
     return prompts, params
 
 
-def bench_throughput(llm: LLM, runs: int):
+def bench_throughput(llm: LLM, runs: int, breakdown: bool):
     prompts, params = upstream_workload()
     total = sum(p.max_tokens for p in params)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
@@ -61,6 +62,45 @@ def bench_throughput(llm: LLM, runs: int):
         llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         print(f"run {run}: {total} tokens in {seconds:.2f} s = {total / seconds:,.0f} tok/s")
+    if breakdown:
+        time_by_phase(llm, prompts, params)
+
+
+DECODE_BUCKETS = (1, 17, 65, 129, 257)  # decode batch sizes [1, 16], [17, 64], [65, 128], [129, 256]
+
+
+def time_by_phase(llm: LLM, prompts, params):
+    """One more run of the workload, step by step: where its wall time goes, prefill steps against
+    decode steps by batch size. Steps overlap (a step() call launches step N and waits for step N-1),
+    so a call's time is charged to the step it completed: the GPU time of that step, once the host
+    keeps ahead of the GPU."""
+    for seq in llm.make_sequences(prompts, params):
+        llm.scheduler.add(seq)
+    phases: dict[str, list[float]] = {}  # phase -> [steps, seconds, tokens]
+    start = time.perf_counter()
+    while not llm.is_finished():
+        step_start = time.perf_counter()
+        result = llm.step()
+        seconds = time.perf_counter() - step_start
+        if result.num_prefill_tokens:
+            phase, tokens = "prefill", result.num_prefill_tokens
+        elif result.num_decode_tokens:
+            tokens = result.num_decode_tokens
+            low = max(b for b in DECODE_BUCKETS if b <= tokens)
+            high = DECODE_BUCKETS[DECODE_BUCKETS.index(low) + 1] - 1
+            phase = f"decode, batch {low}-{high}"
+        else:
+            phase, tokens = "first launch", 0
+        entry = phases.setdefault(phase, [0, 0.0, 0])
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2] += tokens
+    wall = time.perf_counter() - start
+    print(f"by phase ({wall:.2f} s in all):")
+    for phase, (steps, seconds, tokens) in sorted(phases.items(), key=lambda item: (item[0].startswith("decode"),
+                                                                                 item[1][2] / item[1][0])):
+        print(f"  {phase:<24} {steps:5d} steps {seconds:6.2f} s ({seconds / wall:4.0%}) "
+              f"{seconds / steps * 1e3:7.2f} ms/step {tokens / max(seconds, 1e-9):9,.0f} tok/s")
 
 
 EVERY_CONTROL = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.2,
@@ -210,6 +250,8 @@ def main():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--runs", type=int, default=2, help="timed runs in one process (the first warms up)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="after the timed runs, one more: its time by phase (prefill, decode by batch size)")
     parser.add_argument("--single-stream", action="store_true", help="one request instead of the batch workload")
     parser.add_argument("--streams", type=int, default=0, help="like --single-stream with this many requests")
     parser.add_argument("--prompt-len", type=int, default=1000, help="prompt length of each stream")
@@ -239,7 +281,7 @@ def main():
         elif args.single_stream or args.streams:
             bench_streams(llm, args.prompt_len, args.new_tokens, args.streams or 1, args.every_control)
         else:
-            bench_throughput(llm, args.runs)
+            bench_throughput(llm, args.runs, args.breakdown)
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             print(f"GPU memory in use {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB; peak allocated by "
