@@ -6,6 +6,8 @@ flash-attn when it is importable.
     python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
 
 Qwen3-0.6B attention heads (H=16, KVH=8, D=128), bf16, 256-token pages, randomly permuted blocks.
+Decode runs a grid of batch x context, then ragged batches (contexts drawn uniformly, as the engine
+sees them: most end in a partial tile).
 Times are medians of triton.testing.do_bench over CUDA-graph replays (GPU time without host launch
 overhead; do_bench flushes L2 between runs). Decode bandwidth counts
 the K/V bytes of all context tokens plus q and out. The table is printed and, if $OUT is set, written
@@ -38,6 +40,9 @@ SCALE = D ** -0.5
 DEV = "cuda"
 BATCHES = (1, 8, 32, 64, 128, 256)
 CONTEXTS = (128, 512, 1024, 2048, 4096)
+# (batch, shortest, longest context): contexts drawn uniformly, as in the engine's decode steps (most
+# end in a partial tile); the ctx column then shows their mean
+RAGGED_DECODE = ((256, 100, 1124), (128, 100, 2148), (32, 100, 4096))
 # (name, number of sequences, cached prefix tokens, new query tokens per sequence)
 PREFILL_SHAPES = (
     ("8x1024", 8, 0, 1024),
@@ -74,8 +79,8 @@ class Cache:
             v *= self.scales["v_scale"][blocks, :, offsets][..., None]
         return k, v
 
-    def tables(self, batch, ctx):
-        pages = triton.cdiv(ctx, PAGE)
+    def tables(self, batch, max_ctx):
+        pages = triton.cdiv(max_ctx, PAGE)
         perm = torch.randperm(self.num_blocks, device=DEV)[: batch * pages]
         return perm.view(batch, pages).to(torch.int32)
 
@@ -91,25 +96,29 @@ def reference(q, cache, table, ctx):
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
 
 
-def decode_inputs(cache, batch, ctx):
+def decode_inputs(cache, batch, ctx, longest=None):
+    """q, block tables and context lengths: all ctx long, or uniform in [ctx, longest]."""
     q = torch.randn(batch, H, D, dtype=DTYPE, device=DEV)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    return q, cache.tables(batch, ctx), lens
+    if longest is None:
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    else:
+        lens = torch.randint(ctx, longest + 1, (batch,), dtype=torch.int32, device=DEV)
+    return q, cache.tables(batch, longest or ctx), lens
 
 
-def decode_bytes(batch, ctx, token_bytes=2 * KVH * D * DTYPE.itemsize):
+def decode_bytes(lens, token_bytes=2 * KVH * D * DTYPE.itemsize):
     """K/V of all context tokens (token_bytes each; default: bf16) plus q and out."""
-    return batch * ctx * token_bytes + 2 * batch * H * D * DTYPE.itemsize
+    return int(lens.sum()) * token_bytes + 2 * lens.numel() * H * D * DTYPE.itemsize
 
 
-def decode_row(cache, batch, ctx, copy_bw):
-    q, tables, lens = decode_inputs(cache, batch, ctx)
+def decode_row(cache, batch, ctx, copy_bw, longest=None):
+    q, tables, lens = decode_inputs(cache, batch, ctx, longest)
     fn = lambda: ta.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales)
     out = fn()
-    err_ref = max((out[b].float() - reference(q[b:b + 1], cache, tables[b], ctx)[0]).abs().max().item()
+    err_ref = max((out[b].float() - reference(q[b:b + 1], cache, tables[b], int(lens[b]))[0]).abs().max().item()
                   for b in sorted({0, batch // 2, batch - 1}))
     t = bench(fn)
-    bw = decode_bytes(batch, ctx, cache.token_bytes) / (t * 1e-3)
+    bw = decode_bytes(lens, cache.token_bytes) / (t * 1e-3)
     splits = ta._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
     fa_cols, err_fa = f"{'-':>8} {'-':>7} {'-':>6}", "-"
     if flash_attn_with_kvcache is not None:
@@ -117,8 +126,9 @@ def decode_row(cache, batch, ctx, copy_bw):
                                              block_table=tables, softmax_scale=SCALE, causal=True)
         err_fa = f"{(out - fa().squeeze(1)).abs().max().item():8.1e}"
         t_fa = bench(fa)
-        fa_cols = f"{t_fa * 1e3:8.1f} {decode_bytes(batch, ctx) / (t_fa * 1e-3) / 1e12:7.2f} {t / t_fa:6.2f}"
-    emit(f"{batch:>4} {ctx:>5} {splits:>6} {t * 1e3:9.1f} {bw / 1e12:5.2f} {100 * bw / copy_bw:5.1f} "
+        fa_cols = f"{t_fa * 1e3:8.1f} {decode_bytes(lens) / (t_fa * 1e-3) / 1e12:7.2f} {t / t_fa:6.2f}"
+    shown = ctx if longest is None else f"~{lens.float().mean().item():.0f}"
+    emit(f"{batch:>4} {shown:>5} {splits:>6} {t * 1e3:9.1f} {bw / 1e12:5.2f} {100 * bw / copy_bw:5.1f} "
          f"{fa_cols} {err_ref:8.1e} {err_fa:>8}")
 
 
@@ -129,6 +139,8 @@ def run_decode(cache, copy_bw):
     for batch in BATCHES:
         for ctx in CONTEXTS:
             decode_row(cache, batch, ctx, copy_bw)
+    for batch, shortest, longest in RAGGED_DECODE:
+        decode_row(cache, batch, shortest, copy_bw, longest)
 
 
 def prefill_inputs(cache, n_seq, prefix, n_q):
@@ -192,7 +204,7 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw):
                                                num_splits=splits, block_n=bn, num_warps=w, num_stages=s)
         try:
             fn()
-            return decode_bytes(batch, ctx, cache.token_bytes) / (bench(fn, quick=True) * 1e-3) / 1e12
+            return decode_bytes(lens, cache.token_bytes) / (bench(fn, quick=True) * 1e-3) / 1e12
         except Exception as e:  # e.g. out of shared memory
             return type(e).__name__
 

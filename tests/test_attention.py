@@ -15,6 +15,7 @@ from nanovllm.layers.attention import (
     triton_attention,
     v_token_major,
 )
+from nanovllm.layers.qk_norm_rope import qk_norm_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -84,6 +85,36 @@ def test_fp8_store_never_saturates(store, num_kv_heads, head_dim):
         error = (cache * scale[..., None] - x).abs()
         assert (error <= torch.maximum(x.abs() / 16, scale[..., None] / 1024) * (1 + 1e-5)).all()
         assert (error <= amax[..., None] / 28 * (1 + 1e-5)).all()
+
+
+def fp8_store_fused(key, value, k_cache, v_cache, slots, k_scale, v_scale):
+    """The q/k norm + RoPE kernel's KV store (RoPE only, at position 0: k passes unchanged)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    qkv = torch.cat([key, key, value], dim=1).flatten(1)  # one q head per kv head
+    cos_sin = torch.cat([torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)], dim=1).to(DEVICE)
+    qk_norm_rope(qkv, torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE), cos_sin, num_kv_heads, num_kv_heads,
+                 head_dim, slot_mapping=slots, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("store", [store_kvcache_triton, store_kvcache_torch, fp8_store_fused],
+                         ids=["triton", "torch", "fused_qk_norm_rope"])
+def test_fp8_store_writes_no_nan(store):
+    """The Triton kernels read an fp8 cache's stale slots unmasked, so it must hold no NaN (attention.py):
+    a NaN element is stored as 0, and so is a head with an infinite element (its scale is infinite). (The
+    head's other elements may differ: torch's amax of a head holding NaN is NaN, Triton's max skips it.)"""
+    num_blocks, block_size, num_kv_heads, head_dim = 2, 16, 2, 8
+    kv = torch.randn(2, 4, num_kv_heads, head_dim, device=DEVICE)
+    kv[:, 0, 0, 3] = float("nan")
+    kv[:, 1, 1, 5] = float("inf")
+    caches = fp8_caches(num_blocks, block_size, num_kv_heads, head_dim, 0.0)
+    scales = [torch.zeros(num_blocks, num_kv_heads, block_size, device=DEVICE) for _ in range(2)]
+    slots = torch.tensor([0, 1, 17, 30], device=DEVICE)
+    store(kv[0], kv[1], *caches, slots, *scales)
+    for cache in (caches[0], v_token_major(caches[1])):
+        cache = cache.float().flatten(0, 1)  # [slots, heads, dim]
+        assert not cache.isnan().any()
+        assert cache[0, 0, 3] == 0 and (cache[1, 1] == 0).all()
+        assert (cache[[17, 30]].abs().amax(-1) == 448).all()  # the other tokens are stored as usual
 
 
 @pytest.mark.parametrize("store", [store_kvcache_triton, store_kvcache_torch], ids=["triton", "torch"])

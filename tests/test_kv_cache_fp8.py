@@ -45,6 +45,26 @@ def test_fp8_pool_holds_about_twice_the_tokens(tiny_model, tiny_model_head_dim_1
     assert blocks["fp8"] / blocks["auto"] == pytest.approx(2 * head_dim / (head_dim + 4), rel=1e-2)  # 1.94 at 128
 
 
+def test_fp8_pool_starts_without_nan(tiny_model, monkeypatch):
+    """The Triton kernels read an fp8 cache's stale slots unmasked (attention.py), so the pool must hold
+    no NaN from the start, whatever torch.empty returns: here, NaN."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor.view(torch.uint8).fill_(0x7F)
+        elif tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    for kv_cache_dtype in ("auto", "fp8"):
+        with LLM(tiny_model, kv_cache_dtype=kv_cache_dtype, **OPTIONS) as llm:
+            pool = llm.model_runner.kv_cache
+            assert pool.float().isnan().any() == (kv_cache_dtype == "auto")  # a 16-bit pool is left as it is
+
+
 def _rounding_store(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
                     store=attention.store_kvcache_torch):
     """The torch store of a float cache, writing K/V rounded through fp8 and back."""

@@ -52,9 +52,13 @@ def make_cache(context_lens, block_size, kvh, d, dtype=torch.float32, spare_bloc
 
 
 def fp8_cache(k_cache, v_cache):
-    """The caches quantized as the KV store writes them (NaN slots stay NaN): fp8 k, v, their scales
-    as kernel kwargs, and the dequantized float64 k, v the reference reads."""
+    """The caches quantized as the KV store writes them: fp8 k, v, their scales as kernel kwargs, and
+    the dequantized float64 k, v the reference reads. The NaN slots get NaN scales, and as values the
+    largest finite e4m3 (an fp8 cache holds no NaN, attention.py), so a kernel that lets a key past the
+    context into its result, or reads a wrong slot, gets it wrong."""
     k8, k_scale, v8, v_scale = quantize_cache_fp8(k_cache, v_cache)
+    for x, scale in ((k8, k_scale), (v_token_major(v8), v_scale)):
+        x.view(torch.uint8)[scale.transpose(1, 2).isnan()] = 0x7E  # 448
     dequantized = [x.double() * s.transpose(1, 2)[..., None].double()
                    for x, s in ((k8, k_scale), (v_token_major(v8), v_scale))]
     return k8, v8, dict(k_scale=k_scale, v_scale=v_scale), *dequantized

@@ -156,8 +156,10 @@ class ModelRunner:
                 f"{block_bytes / 2**20:.1f} MiB) at gpu_memory_utilization={self.config.gpu_memory_utilization}; "
                 f"raise it or lower max_num_batched_tokens / max_num_seqs")
         shape = (2, hf.num_hidden_layers, num_blocks)
-        self.kv_cache = torch.empty(*shape, self.block_size, self.num_kv_heads, self.head_dim, dtype=cache_dtype,
-                                    device=self.device)
+        # An fp8 cache must hold no NaN, not even in slots never written (attention.py): zeroed.
+        new_pool = torch.zeros if fp8 else torch.empty
+        self.kv_cache = new_pool(*shape, self.block_size, self.num_kv_heads, self.head_dim, dtype=cache_dtype,
+                                 device=self.device)
         # kv_heads before block_size: an attention tile reads its KV head's scales as one contiguous run.
         self.kv_scales = torch.empty(*shape, self.num_kv_heads, self.block_size, dtype=torch.float32,
                                      device=self.device) if fp8 else None

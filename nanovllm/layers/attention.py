@@ -11,6 +11,11 @@ so the scales of a block's consecutive tokens of one head are contiguous): a tok
 as x / s with s = amax(|x|) / 448, so its largest element maps to e4m3's largest finite value and none
 saturates, whatever their magnitude. Only the Triton and torch backends read such a cache.
 
+An fp8 cache holds only finite values: the pool starts zeroed, and the stores write an element that
+is not a number (possible only from non-finite activations, which poison their own token anyway) as
+0. The Triton kernels rely on it: their fp8 K/V loads are not masked (below), so they read stale
+slots past a sequence's context, whose probability is 0, and 0 * NaN would not be 0.
+
 An fp8 V cache is laid out [num_blocks, num_kv_heads, head_dim, block_size]: tokens contiguous. The
 attention kernels' P @ V product reduces over tokens, and the tensor cores read 8-bit operands only
 with the reduced dimension contiguous; in the token-major layout the decode kernel fetched V from
@@ -58,6 +63,12 @@ def store_fp8_scale(amax, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, PAG
 
 
 @triton.jit
+def to_fp8(x):
+    """x (float32, |x| <= 448 where it is a number) in fp8, NaN written as 0: the cache holds no NaN."""
+    return tl.where(x == x, x, 0.0).to(tl.float8e4nv)
+
+
+@triton.jit
 def _quantize_fp8(x, scale_ptr, slot, D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                   PAGE: tl.constexpr):
     """x: one token's K or V, [BLOCK_D] = heads of HEAD_DIM flattened (D valid). Stores each head's
@@ -65,7 +76,7 @@ def _quantize_fp8(x, scale_ptr, slot, D: tl.constexpr, BLOCK_D: tl.constexpr, HE
     heads = tl.reshape(x.to(tl.float32), (BLOCK_D // HEAD_DIM, HEAD_DIM))
     scale = store_fp8_scale(tl.max(tl.abs(heads), 1), scale_ptr, slot, tl.arange(0, BLOCK_D // HEAD_DIM),
                             D // HEAD_DIM, PAGE)  # [BLOCK_D // HEAD_DIM]
-    return tl.reshape(heads / scale[:, None], (BLOCK_D,)).to(tl.float8e4nv)
+    return to_fp8(tl.reshape(heads / scale[:, None], (BLOCK_D,)))
 
 
 @triton.jit
@@ -134,10 +145,11 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (x / scale as float8_e4m3fn, float32 scale [...]), scale = amax(|x|) / 448."""
+    """x [..., head_dim] -> (x / scale as float8_e4m3fn, float32 scale [...]), scale = amax(|x|) / 448;
+    NaN elements of x / scale are written as 0 (the module docstring says why)."""
     x = x.float()
     scale = x.abs().amax(-1).clamp(min=FP8_MIN_AMAX.value) / FP8_MAX.value
-    return (x / scale[..., None]).to(torch.float8_e4m3fn), scale
+    return (x / scale[..., None]).nan_to_num(nan=0.0).to(torch.float8_e4m3fn), scale
 
 
 def quantize_cache_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:

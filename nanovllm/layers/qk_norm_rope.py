@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention import check_kv_cache, store_fp8_scale
+from nanovllm.layers.attention import check_kv_cache, store_fp8_scale, to_fp8
 from nanovllm.utils.device import pdl_enabled
 
 
@@ -25,7 +25,7 @@ def _store_head(x1, x2, cache_ptr, scale_ptr, slot, head, NUM_KV_HEADS: tl.const
         x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
         scale = store_fp8_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), scale_ptr, slot, head,
                                 NUM_KV_HEADS, PAGE)
-        x1, x2 = (x1 / scale).to(tl.float8e4nv), (x2 / scale).to(tl.float8e4nv)
+        x1, x2 = to_fp8(x1 / scale), to_fp8(x2 / scale)
     if FP8 and IS_V:  # [num_blocks, kv_heads, D, PAGE]: the head's elements are PAGE apart
         base, step = ((slot // PAGE) * NUM_KV_HEADS + head) * (D * PAGE) + slot % PAGE, PAGE
     else:
