@@ -16,7 +16,8 @@ to $OUT/bench_attention.txt.
 With --kv-cache-dtype fp8 the Triton kernels read the cache quantized as the engine stores it (e4m3
 plus a float32 scale per token and KV head; bandwidth counts both), flash-attn still reads the bf16
 cache (it cannot read fp8): tri/fa compares the two engine configurations, err_ref is against the
-dequantized cache and err_fa includes the quantization error.
+dequantized cache and err_fa includes the quantization error. Prefill without a cached prefix reads
+no cache in the engine: varlen_us times that path (varlen_prefill_attention over bf16 K/V).
 """
 
 import argparse
@@ -174,13 +175,19 @@ def prefill_row(cache, name, n_seq, prefix, n_q, config):
         err_fa = f"{(out - fa()).abs().max().item():8.1e}"
         t_fa = bench(fa)
         fa_cols = f"{t_fa * 1e3:8.1f} {flops / t_fa * 1e-9:10.1f} {t / t_fa:6.2f}"
-    emit(f"{name:>12} {t * 1e3:9.1f} {flops / t * 1e-9:7.1f} {fa_cols} {err_ref:8.1e} {err_fa:>8}")
+    varlen_cols = f"{'-':>9} {'-':>6}"
+    if prefix == 0:  # what the engine runs without a cached prefix: attention over the new bf16 K/V
+        k, v = (torch.randn(n_seq * n_q, KVH, D, dtype=DTYPE, device=DEV) for _ in range(2))
+        t_var = bench(lambda: ta.varlen_prefill_attention(q, k, v, cu_q, n_q, SCALE, **config))
+        ratio = f"{t_var / t_fa:6.2f}" if flash_attn_varlen_func else f"{'-':>6}"
+        varlen_cols = f"{t_var * 1e3:9.1f} {ratio}"
+    emit(f"{name:>12} {t * 1e3:9.1f} {flops / t * 1e-9:7.1f} {fa_cols} {varlen_cols} {err_ref:8.1e} {err_fa:>8}")
 
 
 def run_prefill(cache, **config):
     emit(f"== prefill: H={H} KVH={KVH} D={D} {cache.kind} page={PAGE} {config or ''}")
     emit(f"{'shape':>12} {'triton_us':>9} {'TFLOP/s':>7} {'fa_us':>8} {'fa_TFLOP/s':>10} {'tri/fa':>6} "
-         f"{'err_ref':>8} {'err_fa':>8}")
+         f"{'varlen_us':>9} {'var/fa':>6} {'err_ref':>8} {'err_fa':>8}")
     for shape in PREFILL_SHAPES:
         prefill_row(cache, *shape, config)
 

@@ -21,7 +21,9 @@ FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
 # stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
 DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False, PDL=True,
               stride_vd=1)
-PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, stride_vd=1)
+PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, PAGED=True,
+               stride_vd=1)
+VARLEN = dict(PAGE=0, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages
 FP8_V = dict(FP8=True, stride_vd=None, stride_vt=1)  # merged into a configuration: None drops a key
 STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
 QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
@@ -56,6 +58,8 @@ def configurations():
         "prefill bf16": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
         "prefill fp8": (attention, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                         merge(PREFILL, fp16, FP8_V, {"BLOCK_M": 64, "BLOCK_N": 64})),
+        "prefill varlen": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"],
+                           merge(PREFILL, fp16, VARLEN)),
         "store bf16": ("nanovllm.layers.attention", "_store_kvcache_kernel",
                        {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
                         "slot_mapping_ptr": "*i64"}, [], STORE),

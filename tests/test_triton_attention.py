@@ -178,6 +178,38 @@ def test_prefill_tiles(block_m, block_n):
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
+def run_varlen_prefill(seq_lens, h, kvh, d, dtype=torch.float32, **kwargs):
+    """varlen_prefill_attention over K/V given as strided views of one qkv tensor, as the model passes
+    them; the reference reads the same K/V through an identity page table."""
+    gen = torch.Generator().manual_seed(2)
+    total = sum(seq_lens)
+    qkv = torch.randn(total, h + 2 * kvh, d, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([h, kvh, kvh], dim=1)
+    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    scale = d ** -0.5
+    ta.varlen_prefill_attention(q, k, v, cu, max(seq_lens), scale, out=out, **kwargs)
+    ref = torch.cat([reference(q[cu[b]:cu[b + 1]], k[None, cu[b]:cu[b + 1]], v[None, cu[b]:cu[b + 1]],
+                               torch.zeros(1, dtype=torch.int64, device=DEVICE), n, scale)
+                     for b, n in enumerate(seq_lens) if n > 0])
+    return q, k, v, cu, out, ref
+
+
+@pytest.mark.parametrize(
+    "h,kvh,d,seq_lens,config",
+    [
+        (4, 2, 32, [1, 17, 40, 16], {}),  # GQA 2, varlen, a one-token prompt
+        (4, 4, 16, [150, 61, 0, 64], dict(block_m=32, block_n=16)),  # MHA, many tiles, an empty sequence
+        (8, 2, 16, [33, 100], dict(block_m=16, block_n=64)),  # GQA 4, key tiles wider than query tiles
+        (16, 8, 16, [70, 24], {}),  # Qwen3-0.6B head layout
+    ],
+)
+def test_varlen_prefill(h, kvh, d, seq_lens, config):
+    """Prefill without a cached prefix attends over the step's own K/V, not the cache."""
+    _, _, _, _, out, ref = run_varlen_prefill(seq_lens, h, kvh, d, **config)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "block_size,h,kvh,d,context_lens,num_splits,block_n",
     [
@@ -237,6 +269,15 @@ def test_prefill_bf16_qwen3():
     cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     fa = flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cu, cu_k, max(q_lens), max(lens),
                                            softmax_scale=scale, causal=True, block_table=tables)
+    torch.testing.assert_close(out, fa, atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+def test_varlen_prefill_bf16_qwen3():
+    q, k, v, cu, out, ref = run_varlen_prefill([1000, 2048, 1, 300], dtype=torch.bfloat16, h=16, kvh=8, d=128)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    flash_attn = pytest.importorskip("flash_attn")
+    fa = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 2048, 2048, softmax_scale=128 ** -0.5, causal=True)
     torch.testing.assert_close(out, fa, atol=2e-2, rtol=2e-2)
 
 

@@ -3,7 +3,7 @@
 Each layer's K/V cache is [num_blocks, block_size, num_kv_heads, head_dim]; token slot s lives at
 block s // block_size, offset s % block_size. A step first writes its new K/V into the cache (the
 Attention layer's store, or on CUDA the model's fused q/k norm + RoPE kernel, qk_norm_rope.py), then
-attends over the cache (or, for prefill without cached prefix on flash-attn, over the new K/V).
+attends over the cache (or, for prefill without a cached prefix, over the new K/V).
 
 With kv_cache_dtype="fp8" the caches are float8_e4m3fn and each layer also has k_scale, v_scale
 [num_blocks, num_kv_heads, block_size] float32 (slot s of head h at [s // block_size, h, s % block_size],
@@ -184,7 +184,8 @@ def _gather(cache, scales, blocks, num_keys) -> torch.Tensor:
 
 def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                     k_scale=None, v_scale=None) -> torch.Tensor:
-    """Reference: per sequence, gather its keys through the block table; causal softmax; GQA by repeat."""
+    """Reference: per sequence, gather its keys through the block table (prefill without a cached prefix:
+    its new k, v, as the other backends); causal softmax; GQA by repeat."""
     num_seqs = meta.context_lens.numel()
     if meta.is_prefill:
         query_starts = meta.cu_seqlens_q.tolist()
@@ -195,9 +196,13 @@ def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     out = torch.empty_like(q)
     for i, num_keys in enumerate(meta.context_lens.tolist()):
         start, end = query_starts[i], query_starts[i + 1]
-        blocks = meta.block_tables[i, :(num_keys + block_size - 1) // block_size].long()
-        keys = _gather(k_cache, k_scale, blocks, num_keys).repeat_interleave(group, dim=1)  # [keys, heads, dim]
-        values = _gather(v_token_major(v_cache), v_scale, blocks, num_keys).repeat_interleave(group, dim=1)
+        if meta.is_prefill and not meta.prefix_cached:
+            keys, values = k[start:end].float(), v[start:end].float()
+        else:
+            blocks = meta.block_tables[i, :(num_keys + block_size - 1) // block_size].long()
+            keys = _gather(k_cache, k_scale, blocks, num_keys)
+            values = _gather(v_token_major(v_cache), v_scale, blocks, num_keys)
+        keys, values = (x.repeat_interleave(group, dim=1) for x in (keys, values))  # [keys, heads, dim]
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
         # Query j sits at position num_keys - num_queries + j and sees keys up to that position.
         query_pos = torch.arange(num_keys - (end - start), num_keys, device=q.device)
@@ -225,11 +230,17 @@ def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
 def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                      k_scale=None, v_scale=None) -> torch.Tensor:
-    from nanovllm.layers.triton_attention import paged_decode_attention, paged_prefill_attention
+    from nanovllm.layers.triton_attention import (
+        paged_decode_attention,
+        paged_prefill_attention,
+        varlen_prefill_attention,
+    )
 
     if not meta.is_prefill:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                       k_scale=k_scale, v_scale=v_scale)
+    if not meta.prefix_cached:  # over the new K/V, as flash-attn; an fp8 cache's rounding then touches decode only
+        return varlen_prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                    meta.max_seqlen_q, scale, k_scale=k_scale, v_scale=v_scale)
 

@@ -33,10 +33,12 @@ NEG_INF = tl.constexpr(-1.0e30)
 @triton.jit
 def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, limit, kv_head,
              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh,
-             D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+             D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, PAGED: tl.constexpr):
     """K and V tiles [BLOCK_N, D] of tokens start..start+BLOCK_N of one kv head, and their scales
     [BLOCK_N] (with FP8, 0 for tokens >= limit; else ones, which _softmax_step does not read).
     K's head_dim is contiguous; V's strides are its own (an fp8 V has contiguous tokens, stride_vt 1).
+    Not PAGED: k_ptr, v_ptr point at the sequence's first token of plain [tokens, KVH, D] K/V (the block
+    strides and table are not read).
 
     16-bit tokens >= limit read 0. fp8 K/V loads are not masked: a mask that varies along V's contiguous
     token axis would split them into single bytes. There tokens >= limit read whatever their slot
@@ -44,7 +46,10 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
     attention.py), which their masked logit and zero scale take out of the result."""
     tok = start + tl.arange(0, BLOCK_N)
     mask = tok < limit
-    if BLOCK_N <= PAGE:  # start is BLOCK_N-aligned, so the tile lies in one page: one block id
+    if not PAGED:
+        blk = 0
+        offset = tok
+    elif BLOCK_N <= PAGE:  # start is BLOCK_N-aligned, so the tile lies in one page: one block id
         blk = tl.load(block_table_ptr + start // PAGE).to(tl.int64)
         # Spelled as an aligned base + arange so the compiler sees the scale loads are contiguous.
         offset = tl.multiple_of(start % PAGE, BLOCK_N) + tl.arange(0, BLOCK_N)
@@ -141,7 +146,7 @@ def _decode_kernel(
     for s in range(start, end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
-                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, True)
         kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, kv_mask,
                                       sm_scale_log2, DOT_PRECISION, FP8)
@@ -182,9 +187,10 @@ def _prefill_kernel(
     sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """Grid (query tiles, H, B): BLOCK_M queries of one head of one sequence, causal."""
+    """Grid (query tiles, H, B): BLOCK_M queries of one head of one sequence, causal. Not PAGED: the keys
+    are the sequence's own rows of plain K/V (varlen_prefill_attention)."""
     tile = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -192,7 +198,12 @@ def _prefill_kernel(
     n_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= n_q:
         return
-    ctx = tl.load(context_lens_ptr + seq)
+    if PAGED:
+        ctx = tl.load(context_lens_ptr + seq)
+    else:
+        ctx = n_q
+        k_ptr += q_start.to(tl.int64) * stride_kt
+        v_ptr += q_start.to(tl.int64) * stride_vt
     kv_head = head // G
 
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
@@ -215,13 +226,13 @@ def _prefill_kernel(
     for s in range(0, full_end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
-                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, PAGED)
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, None, sm_scale_log2,
                                       DOT_PRECISION, FP8)
     for s in range(full_end, kv_end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
-                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, PAGED)
         # Keys past the context lie past every query's position (rows past n_q are not stored).
         causal = (s + tl.arange(0, BLOCK_N))[None, :] <= pos[:, None]
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, causal, sm_scale_log2,
@@ -334,8 +345,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
-                            scale, *, k_scale=None, v_scale=None, out=None, block_m=None, block_n=None,
-                            num_warps=None, num_stages=None):
+                            scale, *, k_scale=None, v_scale=None, out=None, **config):
     """Causal attention of a varlen batch of query chunks over their paged KV cache.
 
     q: [T, H, D]; sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (int32 [B+1]) and sit at
@@ -344,30 +354,52 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     prefill. k_cache, v_cache: [num_blocks, block_size, KVH, D] (an fp8 v_cache [num_blocks, KVH, D,
     block_size]); block_tables: int32 [B, max_blocks].
     k_scale, v_scale: [num_blocks, KVH, block_size] float32, given iff the cache is float8_e4m3fn.
-    max_seqlen_q: max n_q_b (a host int). out: optional [T, H, D] destination. block_m, block_n,
+    max_seqlen_q: max n_q_b (a host int). out: optional [T, H, D] destination. config: block_m, block_n,
     num_warps and num_stages override the defaults. Returns [T, H, D] in q.dtype.
     """
-    T, H, D = q.shape
-    _, page, kvh, _ = k_cache.shape
     precision = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out)
+    k_scale, v_scale, stride_sb, stride_sh = _scale_args(k_cache, v_cache, k_scale, v_scale)
+    strides = (*k_cache.stride()[:3], *v_token_major(v_cache).stride(), stride_sb, stride_sh, block_tables.stride(0))
+    return _launch_prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, strides,
+                           max_seqlen_q, scale, out, precision, page=k_cache.shape[1], kvh=k_cache.shape[2],
+                           fp8=k_cache.dtype == torch.float8_e4m3fn, **config)
+
+
+def varlen_prefill_attention(q, k, v, cu_seqlens, max_seqlen, scale, *, out=None, **config):
+    """Causal attention of a varlen batch over its own K/V: prefill without a cached prefix, whatever
+    the cache holds (an fp8 cache is then not read: its rounding touches decode only, as with flash-attn).
+
+    q: [T, H, D], k, v: [T, KVH, D] (head_dim contiguous; other strides free, e.g. views of the qkv
+    projection); sequence b's queries and keys are rows cu_seqlens[b]:cu_seqlens[b+1] (int32 [B+1]).
+    max_seqlen: the longest (a host int). out and config as for paged_prefill_attention.
+    """
+    assert k.shape == v.shape and k.shape[0] == q.shape[0] and q.shape[1] % k.shape[1] == 0
+    assert q.shape[2] == k.shape[2] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.dtype == q.dtype
+    assert out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1), 1, 0, 0, 0)  # no blocks, scales, table
+    return _launch_prefill(q, k, v, k, v, cu_seqlens, cu_seqlens, cu_seqlens, strides, max_seqlen, scale, out,
+                           precision, page=0, kvh=k.shape[1], fp8=False, paged=False, **config)
+
+
+def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, kv_strides, max_seqlen_q,
+                    scale, out, precision, *, page, kvh, fp8, paged=True, block_m=None, block_n=None, num_warps=None,
+                    num_stages=None):
+    T, H, D = q.shape
     out = torch.empty_like(q) if out is None else out
-    B = context_lens.shape[0]
+    B = cu_seqlens_q.shape[0] - 1
     if T == 0 or B == 0:
         return out
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     # fp8: 64/64/4/3 was the best of the eight swept tiles at every shape (H200, 2026-11-30, H=16, KVH=8,
     # D=128): 1.73-1.79x flash-attn's time on bf16, against 1.98-2.24x with the 16-bit default 128/128/8/2.
     block_m = block_m or min(64 if fp8 else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
     block_n = block_n or (64 if fp8 or D > 128 else 128)
     grid = (triton.cdiv(max_seqlen_q, block_m), H, B)
-    k_scale, v_scale, stride_sb, stride_sh = _scale_args(k_cache, v_cache, k_scale, v_scale)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_token_major(v_cache).stride(), stride_sb, stride_sh,
-        block_tables.stride(0),
+        q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, out,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides,
         G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
-        FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q),
+        FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q), PAGED=paged,
         num_warps=num_warps or (8 if block_m * D >= 128 * 128 else 4), num_stages=num_stages or (3 if fp8 else 2),
     )
     return out
