@@ -3,6 +3,7 @@ flash-attn when it is importable.
 
     python scripts/bench_attention.py            # decode grid + prefill shapes (~1-2 min)
     python scripts/bench_attention.py --sweep    # also sweep decode/prefill launch configs
+    python scripts/bench_attention.py --sweep decode   # ...decode's only
     python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
 
 Qwen3-0.6B attention heads (H=16, KVH=8, D=128), bf16, 256-token pages, randomly permuted blocks.
@@ -41,9 +42,10 @@ SCALE = D ** -0.5
 DEV = "cuda"
 BATCHES = (1, 8, 32, 64, 128, 256)
 CONTEXTS = (128, 512, 1024, 2048, 4096)
-# (batch, shortest, longest context): contexts drawn uniformly, as in the engine's decode steps (most
-# end in a partial tile); the ctx column then shows their mean
-RAGGED_DECODE = ((256, 100, 1124), (128, 100, 2148), (32, 100, 4096))
+# (batch, shortest, longest context, longest first): contexts drawn uniformly, as in the engine's decode
+# steps (most end in a partial tile); the ctx column then shows their mean. Longest first: the batch
+# sorted, so the longest programs start first (does the last wave's imbalance cost?).
+RAGGED_DECODE = ((256, 100, 1124, False), (256, 100, 1124, True), (128, 100, 2148, False), (32, 100, 4096, False))
 # (name, number of sequences, cached prefix tokens, new query tokens per sequence)
 PREFILL_SHAPES = (
     ("8x1024", 8, 0, 1024),
@@ -97,13 +99,16 @@ def reference(q, cache, table, ctx):
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
 
 
-def decode_inputs(cache, batch, ctx, longest=None):
-    """q, block tables and context lengths: all ctx long, or uniform in [ctx, longest]."""
+def decode_inputs(cache, batch, ctx, longest=None, longest_first=False):
+    """q, block tables and context lengths: all ctx long, or uniform in [ctx, longest] (sorted
+    descending if longest_first)."""
     q = torch.randn(batch, H, D, dtype=DTYPE, device=DEV)
     if longest is None:
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
     else:
         lens = torch.randint(ctx, longest + 1, (batch,), dtype=torch.int32, device=DEV)
+        if longest_first:
+            lens = lens.sort(descending=True).values
     return q, cache.tables(batch, longest or ctx), lens
 
 
@@ -112,8 +117,8 @@ def decode_bytes(lens, token_bytes=2 * KVH * D * DTYPE.itemsize):
     return int(lens.sum()) * token_bytes + 2 * lens.numel() * H * D * DTYPE.itemsize
 
 
-def decode_row(cache, batch, ctx, copy_bw, longest=None):
-    q, tables, lens = decode_inputs(cache, batch, ctx, longest)
+def decode_row(cache, batch, ctx, copy_bw, longest=None, longest_first=False):
+    q, tables, lens = decode_inputs(cache, batch, ctx, longest, longest_first)
     fn = lambda: ta.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales)
     out = fn()
     err_ref = max((out[b].float() - reference(q[b:b + 1], cache, tables[b], int(lens[b]))[0]).abs().max().item()
@@ -128,7 +133,7 @@ def decode_row(cache, batch, ctx, copy_bw, longest=None):
         err_fa = f"{(out - fa().squeeze(1)).abs().max().item():8.1e}"
         t_fa = bench(fa)
         fa_cols = f"{t_fa * 1e3:8.1f} {decode_bytes(lens) / (t_fa * 1e-3) / 1e12:7.2f} {t / t_fa:6.2f}"
-    shown = ctx if longest is None else f"~{lens.float().mean().item():.0f}"
+    shown = ctx if longest is None else f"{'>' if longest_first else '~'}{lens.float().mean().item():.0f}"
     emit(f"{batch:>4} {shown:>5} {splits:>6} {t * 1e3:9.1f} {bw / 1e12:5.2f} {100 * bw / copy_bw:5.1f} "
          f"{fa_cols} {err_ref:8.1e} {err_fa:>8}")
 
@@ -140,8 +145,8 @@ def run_decode(cache, copy_bw):
     for batch in BATCHES:
         for ctx in CONTEXTS:
             decode_row(cache, batch, ctx, copy_bw)
-    for batch, shortest, longest in RAGGED_DECODE:
-        decode_row(cache, batch, shortest, copy_bw, longest)
+    for batch, shortest, longest, longest_first in RAGGED_DECODE:
+        decode_row(cache, batch, shortest, copy_bw, longest, longest_first)
 
 
 def prefill_inputs(cache, n_seq, prefix, n_q):
@@ -201,9 +206,10 @@ PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64,
                    (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)]
 
 
-def sweep_decode_shape(cache, batch, ctx, copy_bw):
-    """(block_n, num_warps, num_stages) at the default split count, then split counts with the best."""
-    q, tables, lens = decode_inputs(cache, batch, ctx)
+def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
+    """(block_n, num_warps, num_stages) at the default split count, then split counts with the best.
+    Contexts all ctx long, or uniform in [ctx, longest]."""
+    q, tables, lens = decode_inputs(cache, batch, ctx, longest)
     default = ta._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
 
     def tbps(bn, w, s, splits):
@@ -225,7 +231,8 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw):
     base = results[(*tile, default)]
     if isinstance(base, float):
         base = f"{base:.2f} TB/s = {100 * base * 1e12 / copy_bw:.0f}% of copy"
-    emit(f"B={batch} ctx={ctx}: default splits {default}, default tile {'/'.join(map(str, tile))}: {base}")
+    contexts = ctx if longest is None else f"{ctx}-{longest}"
+    emit(f"B={batch} ctx={contexts}: default splits {default}, default tile {'/'.join(map(str, tile))}: {base}")
     emit("   top: " + "  ".join(f"{bn}/{w}/{s},{sp}:{v:.2f}" for v, (bn, w, s, sp) in ranked[:8]))
     emit(f"   splits with tile {'/'.join(map(str, best))}: " + "  ".join(
         f"{sp}:{results[(*best, sp)]:.2f}" for sp in (1, 2, 4, 8, 16, 32, 64)
@@ -235,10 +242,13 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw):
         emit(f"   failed: {failed}")
 
 
-def sweep(cache, copy_bw):
+def sweep(cache, copy_bw, prefill: bool):
     emit("== decode sweep: TB/s (median); config = block_n/num_warps/num_stages,num_splits")
-    for batch, ctx in ((256, 1024), (32, 2048), (8, 4096), (1, 4096)):
-        sweep_decode_shape(cache, batch, ctx, copy_bw)
+    for batch, ctx, longest in ((256, 100, 1124), (256, 1024, None), (32, 2048, None), (8, 4096, None),
+                                (1, 4096, None)):
+        sweep_decode_shape(cache, batch, ctx, copy_bw, longest)
+    if not prefill:
+        return
     for block_m, block_n, warps, stages in PREFILL_CONFIGS:
         try:
             run_prefill(cache, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
@@ -249,7 +259,8 @@ def sweep(cache, copy_bw):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch configs")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode"],
+                        help="also sweep launch configs (of both kernels, or of decode only)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the cache the Triton kernels read: bf16 (auto) or fp8 + per-token scales")
     args = parser.parse_args()
@@ -264,7 +275,7 @@ def main():
     run_decode(cache, copy_bw)
     run_prefill(cache)
     if args.sweep:
-        sweep(cache, copy_bw)
+        sweep(cache, copy_bw, prefill=args.sweep == "all")
     emit(f"total {time.time() - start:.0f} s")
     save_report("bench_attention.txt")
 
