@@ -3,7 +3,7 @@ flash-attn when it is importable.
 
     python scripts/bench_attention.py            # decode grid + prefill shapes (~1-2 min)
     python scripts/bench_attention.py --sweep    # also sweep decode/prefill launch configs
-    python scripts/bench_attention.py --sweep decode   # ...decode's only
+    python scripts/bench_attention.py --sweep decode   # ...decode's only (or prefill's)
     python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
 
 Qwen3-0.6B attention heads (H=16, KVH=8, D=128), bf16, 256-token pages, randomly permuted blocks.
@@ -202,8 +202,11 @@ def decode_tiles(fp8):
     return [(bn, w, s) for bn in (32, 64, 128) + ((256,) if fp8 else ()) for w in (4, 8) for s in (2, 3, 4)]
 
 
+# (block_m, block_n, num_warps, num_stages); with block_m 32, the fp8 kernel's dots compile to mma.sync
+# (operands in registers) instead of wgmma (B from shared memory: converted fp8 tiles are stored back)
 PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3),
-                   (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)]
+                   (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3),
+                   (64, 64, 8, 3), (64, 64, 8, 4), (64, 32, 4, 4), (32, 64, 4, 3), (32, 32, 4, 4)]
 
 
 def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
@@ -242,12 +245,14 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
         emit(f"   failed: {failed}")
 
 
-def sweep(cache, copy_bw, prefill: bool):
-    emit("== decode sweep: TB/s (median); config = block_n/num_warps/num_stages,num_splits")
-    for batch, ctx, longest in ((256, 100, 1124), (256, 1024, None), (32, 2048, None), (8, 4096, None),
-                                (1, 4096, None)):
-        sweep_decode_shape(cache, batch, ctx, copy_bw, longest)
-    if not prefill:
+def sweep(cache, copy_bw, kernels: str):
+    """Launch configs of kernels "decode", "prefill" or "all"."""
+    if kernels != "prefill":
+        emit("== decode sweep: TB/s (median); config = block_n/num_warps/num_stages,num_splits")
+        for batch, ctx, longest in ((256, 100, 1124), (256, 1024, None), (32, 2048, None), (8, 4096, None),
+                                    (1, 4096, None)):
+            sweep_decode_shape(cache, batch, ctx, copy_bw, longest)
+    if kernels == "decode":
         return
     for block_m, block_n, warps, stages in PREFILL_CONFIGS:
         try:
@@ -259,8 +264,8 @@ def sweep(cache, copy_bw, prefill: bool):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode"],
-                        help="also sweep launch configs (of both kernels, or of decode only)")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill"],
+                        help="also sweep launch configs (of both kernels, or of one)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the cache the Triton kernels read: bf16 (auto) or fp8 + per-token scales")
     args = parser.parse_args()
@@ -275,7 +280,7 @@ def main():
     run_decode(cache, copy_bw)
     run_prefill(cache)
     if args.sweep:
-        sweep(cache, copy_bw, prefill=args.sweep == "all")
+        sweep(cache, copy_bw, args.sweep)
     emit(f"total {time.time() - start:.0f} s")
     save_report("bench_attention.txt")
 
