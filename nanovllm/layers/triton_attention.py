@@ -141,8 +141,8 @@ def _decode_kernel(
     m_i = tl.full([G_PAD], NEG_INF, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    # One pipelined loop, the last (partial) tile included: an fp8 partial tile run apart, unpipelined,
-    # cost ~30% of the kernel's time over ragged contexts.
+    # One pipelined loop, the last (partial) tile included: run apart, unpipelined, an fp8 partial tile
+    # made the kernel 1.2x slower over ragged contexts (BENCHMARKS.md, eighth session).
     for s in range(start, end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
@@ -258,7 +258,11 @@ def _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out) -> str
     block_size = k_cache.shape[1]
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1)
-    # float32 inputs: exact fp32 dots (tests); 16-bit inputs ignore the setting
+    return _dot_precision(q)
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    """tl.dot's input precision: exact fp32 dots for float32 inputs (tests); 16-bit inputs ignore it."""
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
@@ -376,7 +380,7 @@ def varlen_prefill_attention(q, k, v, cu_seqlens, max_seqlen, scale, *, out=None
     assert k.shape == v.shape and k.shape[0] == q.shape[0] and q.shape[1] % k.shape[1] == 0
     assert q.shape[2] == k.shape[2] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.dtype == q.dtype
     assert out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = _dot_precision(q)
     strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1), 1, 0, 0, 0)  # no blocks, scales, table
     return _launch_prefill(q, k, v, k, v, cu_seqlens, cu_seqlens, cu_seqlens, strides, max_seqlen, scale, out,
                            precision, page=0, kvh=k.shape[1], fp8=False, paged=False, **config)
@@ -385,6 +389,8 @@ def varlen_prefill_attention(q, k, v, cu_seqlens, max_seqlen, scale, *, out=None
 def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, kv_strides, max_seqlen_q,
                     scale, out, precision, *, page, kvh, fp8, paged=True, block_m=None, block_n=None, num_warps=None,
                     num_stages=None):
+    """_prefill_kernel over K/V whose 10 strides (K's block, token, head; V's block, token, head, dim;
+    the scales' block, head; the table's row) the caller worked out; the tile defaults of _prefill_tile."""
     T, H, D = q.shape
     out = torch.empty_like(q) if out is None else out
     B = cu_seqlens_q.shape[0] - 1
@@ -409,7 +415,8 @@ def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool, paged: bool) -> t
     H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128; BENCHMARKS.md, seventh and eighth sessions): 64/64/4/3
     was the best of 13 tiles at every shape for an fp8 cache (1.64-1.73x flash-attn's time on bf16,
     against 1.98-2.24x with 128/128/8/2) and for plain bf16 K/V (not paged: 8 x 1,024 0.76x, 1 x 4,096
-    0.67x flash-attn, against 0.92x and 0.80x with 128/128/8/2). The paged 16-bit cache keeps 128/128/8/2.
+    0.67x flash-attn, against 0.92x and 0.80x with 128/128/8/2). Over a paged bf16 cache 128/128/8/2 stays
+    the best (1 x 4,096: 0.82x flash-attn, 64/64/4/3 0.91x).
     """
     small = fp8 or not paged
     block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
