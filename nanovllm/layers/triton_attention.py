@@ -396,7 +396,7 @@ def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, conte
     B = cu_seqlens_q.shape[0] - 1
     if T == 0 or B == 0:
         return out
-    default_m, default_n, default_warps, default_stages = _prefill_tile(D, max_seqlen_q, fp8, paged)
+    default_m, default_n, default_warps, default_stages = _prefill_tile(D, max_seqlen_q, fp8)
     block_m, block_n = block_m or default_m, block_n or default_n
     grid = (triton.cdiv(max_seqlen_q, block_m), H, B)
     _prefill_kernel[grid](
@@ -409,16 +409,16 @@ def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, conte
     return out
 
 
-def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool, paged: bool) -> tuple[int, int, int, int]:
+def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool) -> tuple[int, int, int, int]:
     """Default (block_m, block_n, num_warps, num_stages) of the prefill kernel.
 
     H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128; BENCHMARKS.md, seventh and eighth sessions): 64/64/4/3
     was the best of 13 tiles at every shape for an fp8 cache (1.64-1.73x flash-attn's time on bf16,
-    against 1.98-2.24x with 128/128/8/2) and for plain bf16 K/V (not paged: 8 x 1,024 0.76x, 1 x 4,096
-    0.67x flash-attn, against 0.92x and 0.80x with 128/128/8/2). Over a paged bf16 cache 128/128/8/2 stays
-    the best (1 x 4,096: 0.82x flash-attn, 64/64/4/3 0.91x).
+    against 1.98-2.24x with 128/128/8/2). Over a paged bf16 cache 128/128/8/2 is the best (1 x 4,096:
+    0.82x flash-attn, 64/64/4/3 0.91x). Not paged (bf16 K/V), 64/64/4/3 was faster alone (0.76x / 0.67x
+    against 0.92x / 0.80x), but the one engine run with it as the default was slower throughout, for a
+    reason not found (eighth session, call 7): 16-bit K/V keep 128/128/8/2 until it is measured again.
     """
-    small = fp8 or not paged
-    block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
-    block_n = 64 if small or head_dim > 128 else 128
-    return block_m, block_n, 8 if block_m * head_dim >= 128 * 128 else 4, 3 if small else 2
+    block_m = min(64 if fp8 else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
+    block_n = 64 if fp8 or head_dim > 128 else 128
+    return block_m, block_n, 8 if block_m * head_dim >= 128 * 128 else 4, 3 if fp8 else 2
