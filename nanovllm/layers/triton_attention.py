@@ -396,21 +396,23 @@ def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, conte
     B = cu_seqlens_q.shape[0] - 1
     if T == 0 or B == 0:
         return out
-    default_m, default_n, default_warps, default_stages = _prefill_tile(D, max_seqlen_q, fp8)
+    default_m, default_n, default_stages = _prefill_tile(D, max_seqlen_q, fp8)
     block_m, block_n = block_m or default_m, block_n or default_n
+    num_warps = num_warps or (8 if block_m * D >= 128 * 128 else 4)
     grid = (triton.cdiv(max_seqlen_q, block_m), H, B)
     _prefill_kernel[grid](
         q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides,
         G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
         FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q), PAGED=paged,
-        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
+        num_warps=num_warps, num_stages=num_stages or default_stages,
     )
     return out
 
 
-def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool) -> tuple[int, int, int, int]:
-    """Default (block_m, block_n, num_warps, num_stages) of the prefill kernel.
+def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool) -> tuple[int, int, int]:
+    """Default (block_m, block_n, num_stages) of the prefill kernel (num_warps follows block_m: 8 from
+    128 x 128 elements a tile).
 
     H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128; BENCHMARKS.md, seventh and eighth sessions): 64/64/4/3
     was the best of 13 tiles at every shape for an fp8 cache (1.64-1.73x flash-attn's time on bf16,
@@ -421,4 +423,4 @@ def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool) -> tuple[int, int
     """
     block_m = min(64 if fp8 else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
     block_n = 64 if fp8 or head_dim > 128 else 128
-    return block_m, block_n, 8 if block_m * head_dim >= 128 * 128 else 4, 3 if fp8 else 2
+    return block_m, block_n, 3 if fp8 else 2
