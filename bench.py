@@ -66,7 +66,16 @@ def bench_throughput(llm: LLM, runs: int, breakdown: bool):
         time_by_phase(llm, prompts, params)
 
 
-DECODE_BUCKETS = (1, 17, 65, 129, 257)  # decode batch sizes [1, 16], [17, 64], [65, 128], [129, 256]
+DECODE_BATCH_BOUNDS = (16, 64, 128, 256)  # decode phases: batch 1-16, 17-64, 65-128, 129-256, then 257+
+
+
+def decode_phase(batch: int) -> str:
+    low = 1
+    for high in DECODE_BATCH_BOUNDS:
+        if batch <= high:
+            return f"decode, batch {low}-{high}"
+        low = high + 1
+    return f"decode, batch {low}+"
 
 
 def time_by_phase(llm: LLM, prompts, params):
@@ -86,9 +95,7 @@ def time_by_phase(llm: LLM, prompts, params):
             phase, tokens = "prefill", result.num_prefill_tokens
         elif result.num_decode_tokens:
             tokens = result.num_decode_tokens
-            low = max(b for b in DECODE_BUCKETS if b <= tokens)
-            high = DECODE_BUCKETS[DECODE_BUCKETS.index(low) + 1] - 1
-            phase = f"decode, batch {low}-{high}"
+            phase = decode_phase(tokens)
         else:
             phase, tokens = "first launch", 0
         entry = phases.setdefault(phase, [0, 0.0, 0])
