@@ -4,6 +4,7 @@ flash-attn when it is importable.
     python scripts/bench_attention.py            # decode grid + prefill shapes (~1-2 min)
     python scripts/bench_attention.py --sweep    # also sweep decode/prefill launch configs
     python scripts/bench_attention.py --sweep decode   # ...decode's only (or prefill's)
+    python scripts/bench_attention.py --kv-cache-dtype fp8 --sweep dequant   # the fp8-prefix path's kernels
     python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
 
 Qwen3-0.6B attention heads (H=16, KVH=8, D=128), bf16, 256-token pages, randomly permuted blocks.
@@ -17,11 +18,14 @@ to $OUT/bench_attention.txt.
 With --kv-cache-dtype fp8 the Triton kernels read the cache quantized as the engine stores it (e4m3
 plus a float32 scale per token and KV head; bandwidth counts both), flash-attn still reads the bf16
 cache (it cannot read fp8): tri/fa compares the two engine configurations, err_ref is against the
-dequantized cache and err_fa includes the quantization error. Prefill without a cached prefix reads
-no cache in the engine: varlen_us times that path (varlen_prefill_attention over bf16 K/V).
+dequantized cache and err_fa includes the quantization error. varlen_us times the engine's 16-bit
+path where it has one: prefill without a cached prefix reads no cache (varlen_prefill_attention over
+bf16 K/V), and over an fp8 prefix with at least attention.DEQUANT_MIN_QUERIES queries per sequence it
+dequantizes the contexts into a workspace first (dequantized_prefill_attention; the time includes it).
 """
 
 import argparse
+import functools
 import time
 
 import torch
@@ -52,6 +56,8 @@ PREFILL_SHAPES = (
     ("1x4096", 1, 0, 4096),
     ("4x512+1536", 4, 1536, 512),
     ("16x128+896", 16, 896, 128),
+    ("32x64+960", 32, 960, 64),
+    ("64x16+1008", 64, 1008, 16),  # a prefix hit with a short suffix: is dequantizing worth it?
 )
 
 class Cache:
@@ -181,18 +187,45 @@ def prefill_row(cache, name, n_seq, prefix, n_q, config):
         t_fa = bench(fa)
         fa_cols = f"{t_fa * 1e3:8.1f} {flops / t_fa * 1e-9:10.1f} {t / t_fa:6.2f}"
     varlen_cols = f"{'-':>9} {'-':>6}"
+    t_var = None
     if prefix == 0:  # what the engine runs without a cached prefix: attention over the new bf16 K/V
         k, v = (torch.randn(n_seq * n_q, KVH, D, dtype=DTYPE, device=DEV) for _ in range(2))
         t_var = bench(lambda: ta.varlen_prefill_attention(q, k, v, cu_q, n_q, SCALE, **config))
+    elif cache.fp8:  # the fp8 prefix dequantized into a workspace
+        workspace, groups = dequant_workspace(cu_q, cu_k)
+        dequantized = lambda: ta.dequantized_prefill_attention(
+            q, *cache.kv, cache.scales["k_scale"], cache.scales["v_scale"], tables, cu_q, cu_k, groups, SCALE,
+            workspace, **config)
+        err_dq = (dequantized() - out).abs().max().item()
+        assert err_dq < 5e-2, f"dequantized path differs from the fp8 kernel by {err_dq}"
+        t_var = bench(dequantized)
+        t_dq = bench(lambda: dequantize_all(cache, tables, cu_k, groups, workspace))
+    if t_var is not None:
         ratio = f"{t_var / t_fa:6.2f}" if flash_attn_varlen_func else f"{'-':>6}"
         varlen_cols = f"{t_var * 1e3:9.1f} {ratio}"
-    emit(f"{name:>12} {t * 1e3:9.1f} {flops / t * 1e-9:7.1f} {fa_cols} {varlen_cols} {err_ref:8.1e} {err_fa:>8}")
+    dq_col = f"{t_dq * 1e3:10.1f}" if cache.fp8 and prefix else f"{'-':>10}"
+    emit(f"{name:>12} {t * 1e3:9.1f} {flops / t * 1e-9:7.1f} {fa_cols} {varlen_cols} {dq_col} {err_ref:8.1e} "
+         f"{err_fa:>8}")
+
+
+def dequant_workspace(cu_q, cu_k):
+    """The engine's workspace at bench.py's config (max(max_model_len, max_num_batched_tokens) tokens)
+    and the groups of sequences it takes."""
+    workspace = torch.empty(2, 16384, KVH, D, dtype=DTYPE, device=DEV)
+    return workspace, attention.workspace_groups(cu_q.tolist(), cu_k.tolist(), workspace.shape[1])
+
+
+def dequantize_all(cache, tables, cu_k, groups, workspace, **config):
+    """The dequantization kernels of dequantized_prefill_attention alone."""
+    for first, end, _, max_seqlen_k in groups:
+        ta.dequantize_paged_kv(*cache.kv, cache.scales["k_scale"], cache.scales["v_scale"], tables, cu_k,
+                               (first, end), max_seqlen_k, workspace, **config)
 
 
 def run_prefill(cache, **config):
     emit(f"== prefill: H={H} KVH={KVH} D={D} {cache.kind} page={PAGE} {config or ''}")
     emit(f"{'shape':>12} {'triton_us':>9} {'TFLOP/s':>7} {'fa_us':>8} {'fa_TFLOP/s':>10} {'tri/fa':>6} "
-         f"{'varlen_us':>9} {'var/fa':>6} {'err_ref':>8} {'err_fa':>8}")
+         f"{'varlen_us':>9} {'var/fa':>6} {'dequant_us':>10} {'err_ref':>8} {'err_fa':>8}")
     for shape in PREFILL_SHAPES:
         prefill_row(cache, *shape, config)
 
@@ -245,8 +278,40 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
         emit(f"   failed: {failed}")
 
 
+def varlen_over_workspace(q, cu_q, cu_k, groups, workspace, **config):
+    """The 16-bit prefill kernels of dequantized_prefill_attention alone."""
+    for first, end, max_seqlen_q, _ in groups:
+        ta.varlen_prefill_attention(q, workspace[0], workspace[1], cu_q, max_seqlen_q, SCALE, cu_seqlens_k=cu_k,
+                                    seqs=(first, end), **config)
+
+
+def sweep_dequant(cache):
+    """The fp8-prefix path's two kernels apart, per prefix shape: dequantization (block_n/num_warps) in
+    GB/s of fp8 + scales read and bf16 written, and the 16-bit prefill over the workspace per tile."""
+    emit("== dequantized-prefix sweep: dequantize GB/s per block_n/num_warps; varlen us per "
+         "block_m/block_n/num_warps/num_stages")
+    for name, n_seq, prefix, n_q in PREFILL_SHAPES:
+        if not prefix:
+            continue
+        q, tables, cu_q, cu_k, _ = prefill_inputs(cache, n_seq, prefix, n_q)
+        workspace, groups = dequant_workspace(cu_q, cu_k)
+        moved = n_seq * (prefix + n_q) * (cache.token_bytes + 2 * KVH * D * DTYPE.itemsize)
+        dequantize = functools.partial(dequantize_all, cache, tables, cu_k, groups, workspace)
+        rates = {f"{bn}/{w}": moved / (bench(functools.partial(dequantize, block_n=bn, num_warps=w), quick=True)
+                                       * 1e-3) / 1e9
+                 for bn in (32, 64, 128, 256) for w in (2, 4, 8)}
+        emit(f"{name:>12} dequantize: " + "  ".join(f"{k}:{v:.0f}" for k, v in rates.items()))
+        attend = functools.partial(varlen_over_workspace, q, cu_q, cu_k, groups, workspace)
+        times = {"/".join(map(str, tile)): bench(functools.partial(
+                    attend, block_m=tile[0], block_n=tile[1], num_warps=tile[2], num_stages=tile[3]), quick=True) * 1e3
+                 for tile in PREFILL_CONFIGS}
+        emit(f"{name:>12} varlen: " + "  ".join(f"{k}:{v:.1f}" for k, v in sorted(times.items(), key=lambda x: x[1])))
+
+
 def sweep(cache, copy_bw, kernels: str):
-    """Launch configs of kernels "decode", "prefill" or "all"."""
+    """Launch configs of kernels "decode", "prefill", "dequant" (the fp8-prefix path) or "all"."""
+    if kernels == "dequant":
+        return sweep_dequant(cache)
     if kernels != "prefill":
         emit("== decode sweep: TB/s (median); config = block_n/num_warps/num_stages,num_splits")
         for batch, ctx, longest in ((256, 100, 1124), (256, 1024, None), (32, 2048, None), (8, 4096, None),
@@ -264,8 +329,8 @@ def sweep(cache, copy_bw, kernels: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill"],
-                        help="also sweep launch configs (of both kernels, or of one)")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill", "dequant"],
+                        help="also sweep launch configs (of both kernels, or of one; dequant: the fp8-prefix path)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the cache the Triton kernels read: bf16 (auto) or fp8 + per-token scales")
     args = parser.parse_args()

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from nanovllm.layers.attention import (
+    DEQUANT_MIN_QUERIES,
     Attention,
     AttentionMetadata,
+    dequantizing_pays,
     flash_attention,
     quantize_cache_fp8,
     quantize_fp8,
@@ -14,6 +16,7 @@ from nanovllm.layers.attention import (
     torch_attention,
     triton_attention,
     v_token_major,
+    workspace_groups,
 )
 from nanovllm.layers.qk_norm_rope import qk_norm_rope
 
@@ -205,12 +208,19 @@ def test_torch_reference_reads_an_fp8_cache():
     torch.testing.assert_close(out, torch_attention(q, k, v, *dequantized, meta, 0.3), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("is_prefill,cached_lens", [(True, [0, 0, 0]), (True, [32, 16, 0]), (False, [39, 18, 0])])
-def test_fp8_layer_triton_matches_torch(is_prefill, cached_lens):
+@pytest.mark.parametrize("is_prefill,cached_lens,capacity", [
+    (True, [0, 0, 0], None), (True, [32, 16, 0], None), (False, [39, 18, 0], None),
+    (True, [32, 16, 0], 45),  # the prefix dequantized into a workspace, two groups of sequences
+])
+def test_fp8_layer_triton_matches_torch(is_prefill, cached_lens, capacity):
     """The Attention layer on an fp8 cache: Triton store + kernels vs torch store + reference, and both
     vs attention over the unquantized cache."""
     lens = [40, 19, 1]
     q, k, v, k_cache, v_cache, meta = make_paged_step(lens, cached_lens, 4, 2, 16, 16, torch.float32, is_prefill)
+    if capacity:
+        meta.dequant_workspace = torch.full((2, capacity, 2, 16), float("nan"), device=DEVICE)
+        meta.dequant_groups = workspace_groups([0, 8, 11, 12], [0, 40, 59, 60], capacity)
+        assert meta.dequant_groups == [(0, 1, 8, 40), (1, 3, 3, 19)]
     k8, k_scale, v8, v_scale = quantize_cache_fp8(k_cache, v_cache)  # the cached prefix
     slots, page = meta.slot_mapping, k8.size(1)  # the step's slots hold only what the layer's store writes
     for x in (k8, v_token_major(v8)):
@@ -226,6 +236,25 @@ def test_fp8_layer_triton_matches_torch(is_prefill, cached_lens):
     exact = torch_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     # e4m3 keeps 4 significant bits: N(0, 1) values are off by up to amax / 28 ~ 0.1; measured 0.06.
     assert (outs["torch"] - exact).abs().max() < 0.15
+
+
+def test_workspace_groups():
+    """Runs of consecutive sequences whose contexts fit the workspace: (first, end, max_seqlen_q, max_seqlen_k)."""
+    cu_q, cu_k = [0, 5, 6, 16, 20], [0, 50, 60, 100, 120]  # contexts 50, 10, 40, 20
+    assert workspace_groups(cu_q, cu_k, 120) == [(0, 4, 10, 50)]
+    assert workspace_groups(cu_q, cu_k, 60) == [(0, 2, 5, 50), (2, 4, 10, 40)]
+    assert workspace_groups(cu_q, cu_k, 50) == [(0, 1, 5, 50), (1, 3, 10, 40), (3, 4, 4, 20)]  # 10 + 40 fit
+    with pytest.raises(ValueError, match="context of 50 tokens exceeds the dequantization workspace of 49"):
+        workspace_groups(cu_q, cu_k, 49)
+
+
+def test_dequantizing_pays_by_queries_per_context_token():
+    assert dequantizing_pays([0, DEQUANT_MIN_QUERIES], [0, 1000])  # as many queries for each context token
+    assert not dequantizing_pays([0, DEQUANT_MIN_QUERIES - 1], [0, 1000])
+    # One long chunk among many short prefix hits: 26 queries per context token, though one has 512.
+    cu_q, cu_k = [0, 512, *range(528, 528 + 16 * 100, 16)], [0, 2048, *range(3072, 2048 + 1024 * 101, 1024)]
+    assert not dequantizing_pays(cu_q, cu_k)
+    assert dequantizing_pays(cu_q[:2], cu_k[:2])
 
 
 BACKENDS = [pytest.param(triton_attention, id="triton"),

@@ -120,3 +120,31 @@ def test_fp8_logprobs_close_to_the_model_dtype_cache(runs):
 def test_fp8_greedy_tokens_mostly_agree(runs):
     agreeing = sum(_first_divergence(a["token_ids"], b["token_ids"]) for a, b in zip(runs["auto"], runs["fp8"]))
     assert agreeing / (len(runs["auto"]) * NUM_NEW_TOKENS) > 0.3
+
+
+@pytest.mark.cpu_suite  # Triton kernels on CPU tensors, under the interpreter (see conftest)
+def test_fp8_chunked_prefill_dequantizes_the_prefix(tiny_model, monkeypatch):
+    """A prompt prefilled in chunks of 150 over an fp8 cache: on the Triton backend the second chunk
+    attends over the first through the dequantization workspace, and gives the torch backend's tokens."""
+    from nanovllm.layers import triton_attention
+
+    calls = []
+    dequantize = triton_attention.dequantized_prefill_attention
+    monkeypatch.setattr(triton_attention, "dequantized_prefill_attention",
+                        lambda *args, **kwargs: calls.append(args[8]) or dequantize(*args, **kwargs))
+    prompt = list(range(3, 303))
+    options = {**OPTIONS, "max_model_len": 512}
+    outputs = {}
+    for backend in ("triton", "torch"):
+        with LLM(tiny_model, kv_cache_dtype="fp8", attention_backend=backend, max_num_batched_tokens=150,
+                 **options) as llm:
+            workspace = llm.model_runner.dequant_workspace
+            if backend == "triton":  # max_model_len tokens, K and V, the tiny model's 2 kv heads of 16
+                assert workspace.shape == (2, 512, 2, 16) and workspace.dtype == torch.float32
+            else:
+                assert workspace is None
+            (outputs[backend],) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert calls == [[(0, 1, 150, 300)]] * 2  # (first, end, max_seqlen_q, max_seqlen_k), in each of 2 layers
+    assert outputs["triton"]["token_ids"] == outputs["torch"]["token_ids"]
+    for a, b in zip(outputs["triton"]["logprobs"], outputs["torch"]["logprobs"]):
+        assert max(abs(a[t] - b[t]) for t in a.keys() & b.keys()) < 1e-4

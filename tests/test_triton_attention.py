@@ -17,7 +17,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from nanovllm.layers import triton_attention as ta  # noqa: E402
-from nanovllm.layers.attention import quantize_cache_fp8, v_token_major  # noqa: E402
+from nanovllm.layers.attention import quantize_cache_fp8, v_token_major, workspace_groups  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -241,6 +241,40 @@ def test_prefill_fp8(block_size, h, kvh, d, context_lens, q_lens):
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
+def run_dequantized_prefill(context_lens, q_lens, block_size, h, kvh, d, capacity, dtype=torch.float32):
+    """dequantized_prefill_attention over an fp8 cache, the workspace holding `capacity` tokens (NaN
+    before the call, so rows it should have written poison the output)."""
+    k_cache, v_cache, tables, lens = make_cache(context_lens, block_size, kvh, d, dtype)
+    k8, v8, scales, ref_k, ref_v = fp8_cache(k_cache, v_cache)
+    cu_q, cu_k = ([0, *torch.tensor(n).cumsum(0).tolist()] for n in (q_lens, context_lens))
+    groups = workspace_groups(cu_q, cu_k, capacity)
+    q = torch.randn(sum(q_lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    out = torch.full_like(q, float("nan"))
+    workspace = torch.full((2, capacity, kvh, d), float("nan"), dtype=dtype, device=DEVICE)
+    cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device=DEVICE) for cu in (cu_q, cu_k))
+    scale = d ** -0.5
+    ta.dequantized_prefill_attention(q, k8, v8, scales["k_scale"], scales["v_scale"], tables, cu_q, cu_k, groups,
+                                     scale, workspace, out=out)
+    ref = torch.cat([reference(q[cu_q[b]:cu_q[b + 1]], ref_k, ref_v, tables[b], n, scale)
+                     for b, n in enumerate(context_lens)])
+    return groups, out, ref
+
+
+@pytest.mark.parametrize(
+    "block_size,h,kvh,d,context_lens,q_lens,capacity,num_groups",
+    [
+        (16, 4, 2, 32, [50, 300, 33], [10, 44, 1], 512, 1),  # cached prefix + chunk, tiles span pages
+        (32, 4, 4, 32, [50, 300, 33, 64], [10, 44, 0, 64], 300, 3),  # one group per workspace fill, an empty chunk
+        (256, 16, 8, 16, [257, 70], [200, 30], 257, 2),  # Qwen3-0.6B head layout, a context filling the workspace
+    ],
+)
+def test_dequantized_prefill_fp8(block_size, h, kvh, d, context_lens, q_lens, capacity, num_groups):
+    """Prefill over an fp8 prefix by way of the dequantization workspace, a group of sequences at a time."""
+    groups, out, ref = run_dequantized_prefill(context_lens, q_lens, block_size, h, kvh, d, capacity)
+    assert len(groups) == num_groups
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
 QWEN3 = dict(h=16, kvh=8, d=128, block_size=256)
 
 
@@ -298,6 +332,9 @@ def test_fp8_bf16_qwen3():
     torch.testing.assert_close(fp8.double(), ref, atol=2e-2, rtol=2e-2)
     _, _, exact, _ = run_prefill(lens, q_lens, dtype=torch.bfloat16, **QWEN3)
     assert (fp8.float() - exact.float()).abs().max() < 0.2
+    _, dequantized, ref = run_dequantized_prefill(lens, q_lens, capacity=4096, dtype=torch.bfloat16, **QWEN3)
+    torch.testing.assert_close(dequantized.double(), ref, atol=2e-2, rtol=2e-2)
+    assert (dequantized.float() - exact.float()).abs().max() < 0.2
 
 
 @needs_cuda

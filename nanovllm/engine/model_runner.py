@@ -19,7 +19,7 @@ from nanovllm.engine.cuda_graph import DecodeGraphs, SamplerGraphs
 from nanovllm.engine.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerEnd
-from nanovllm.layers.attention import AttentionMetadata
+from nanovllm.layers.attention import AttentionMetadata, dequantizing_pays, workspace_groups
 from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
@@ -123,7 +123,8 @@ class ModelRunner:
             if graphs is not None:
                 graphs.release()
         self.graphs = self.sampler_graphs = None
-        self.model = self.kv_cache = self.kv_scales = None  # free the GPU memory even if the engine object lives on
+        # Free the GPU memory even if the engine object lives on.
+        self.model = self.kv_cache = self.kv_scales = self.dequant_workspace = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -138,6 +139,13 @@ class ModelRunner:
         hf = self.config.hf_config
         cache_dtype = self.config.kv_cache_torch_dtype
         fp8 = cache_dtype == torch.float8_e4m3fn
+        # Before the pool is sized, so the profile counts it: where prefill dequantizes an fp8 prefix
+        # (attention.triton_attention). Any one context fits (max_model_len), and a full batch of prompts.
+        self.dequant_workspace = None
+        if fp8 and self.config.attention_backend == "triton":
+            capacity = max(self.config.max_model_len, self.config.max_num_batched_tokens)
+            self.dequant_workspace = torch.empty(2, capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                                                 device=self.device)
         token_bytes = self.num_kv_heads * (self.head_dim * cache_dtype.itemsize + (4 if fp8 else 0))
         block_bytes = 2 * hf.num_hidden_layers * self.block_size * token_bytes
         if self.config.num_kvcache_blocks > 0:
@@ -237,6 +245,9 @@ class ModelRunner:
             max_seqlen_k=int(np.diff(cu_k).max()),
             prefix_cached=any(seq.num_cached_tokens > 0 for seq in seqs),
         )
+        if self.dequant_workspace is not None and meta.prefix_cached and dequantizing_pays(cu_q, cu_k):
+            meta.dequant_workspace = self.dequant_workspace
+            meta.dequant_groups = workspace_groups(cu_q, cu_k, self.dequant_workspace.shape[1])
         return (self._to_device(np.concatenate(input_ids)), self._to_device(np.concatenate(positions)), meta,
                 self._to_device(np.asarray(sample_rows, dtype=np.int64)))
 

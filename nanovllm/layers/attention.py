@@ -36,6 +36,12 @@ FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
 FP8_MIN_AMAX = tl.constexpr(1e-12)  # an all-zero head still gets a positive scale
 
 
+# Prefill over an fp8 prefix dequantizes it when there are at least this many queries per context token
+# (dequantizing_pays).
+DEQUANT_MIN_QUERIES = 128
+SeqGroup = tuple[int, int, int, int]  # (first, end, max_seqlen_q, max_seqlen_k) of sequences first..end-1
+
+
 @dataclass
 class AttentionMetadata:
     """What attention needs to know about one step; built by the ModelRunner, passed down the forward."""
@@ -49,6 +55,39 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     prefix_cached: bool = False  # some sequence attends to KV computed in an earlier step
+    # Prefill over an fp8 cache's prefix (Triton backend, triton_attention): [2, capacity, kv_heads, head_dim]
+    # in the model dtype, and the runs of sequences whose contexts it holds at once (workspace_groups).
+    dequant_workspace: torch.Tensor | None = None
+    dequant_groups: list[SeqGroup] | None = None
+
+
+def dequantizing_pays(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> bool:
+    """Whether a prefill step over an fp8 prefix should go through the dequantization workspace
+    (triton_attention.dequantized_prefill_attention). Dequantizing costs a pass over every context token;
+    the 16-bit kernel then saves time per (query, key) pair. So the measure is the step's queries per
+    context token, sum_b n_q_b * ctx_b / sum_b ctx_b, against DEQUANT_MIN_QUERIES. H200, Qwen3-0.6B heads
+    (BENCHMARKS.md, ninth session), dequantizing + the 16-bit kernel against the fp8 kernel: 0.50x its
+    time at 512 queries a sequence, 0.73x at 128, 1.03x at 64, 1.95x at 16."""
+    pairs = sum((cu_seqlens_q[b + 1] - cu_seqlens_q[b]) * (cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+                for b in range(len(cu_seqlens_k) - 1))
+    return pairs >= DEQUANT_MIN_QUERIES * cu_seqlens_k[-1]
+
+
+def workspace_groups(cu_seqlens_q: list[int], cu_seqlens_k: list[int], capacity: int) -> list[SeqGroup]:
+    """Split a prefill batch into runs of consecutive sequences whose contexts fit `capacity` tokens
+    together: (first, end, max_seqlen_q, max_seqlen_k) per run of sequences first..end-1. A context
+    longer than capacity is an error (the workspace holds max_model_len tokens)."""
+    groups, first = [], 0
+    num_seqs = len(cu_seqlens_k) - 1
+    for end in range(1, num_seqs + 1):
+        if cu_seqlens_k[end] - cu_seqlens_k[end - 1] > capacity:
+            raise ValueError(f"context of {cu_seqlens_k[end] - cu_seqlens_k[end - 1]} tokens exceeds the "
+                             f"dequantization workspace of {capacity}")
+        if end == num_seqs or cu_seqlens_k[end + 1] - cu_seqlens_k[first] > capacity:
+            groups.append((first, end, max(cu_seqlens_q[b + 1] - cu_seqlens_q[b] for b in range(first, end)),
+                           max(cu_seqlens_k[b + 1] - cu_seqlens_k[b] for b in range(first, end))))
+            first = end
+    return groups
 
 
 @triton.jit
@@ -231,6 +270,7 @@ def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
 def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                      k_scale=None, v_scale=None) -> torch.Tensor:
     from nanovllm.layers.triton_attention import (
+        dequantized_prefill_attention,
         paged_decode_attention,
         paged_prefill_attention,
         varlen_prefill_attention,
@@ -241,6 +281,10 @@ def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: 
                                       k_scale=k_scale, v_scale=v_scale)
     if not meta.prefix_cached:  # over the new K/V, as flash-attn; an fp8 cache's rounding then touches decode only
         return varlen_prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)
+    if meta.dequant_groups:  # fp8 prefix: dequantized, so the faster 16-bit kernel attends
+        return dequantized_prefill_attention(q, k_cache, v_cache, k_scale, v_scale, meta.block_tables,
+                                             meta.cu_seqlens_q, meta.cu_seqlens_k, meta.dequant_groups, scale,
+                                             meta.dequant_workspace)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                    meta.max_seqlen_q, scale, k_scale=k_scale, v_scale=v_scale)
 

@@ -184,16 +184,17 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
-    sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
+    first_seq, sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """Grid (query tiles, H, B): BLOCK_M queries of one head of one sequence, causal. Not PAGED: the keys
-    are the sequence's own rows of plain K/V (varlen_prefill_attention)."""
+    """Grid (query tiles, H, sequences): BLOCK_M queries of one head of sequence first_seq + program_id(2),
+    causal. Not PAGED: context_lens_ptr holds cu_seqlens_k, and the keys of sequence b are rows
+    cu_seqlens_k[b] - cu_seqlens_k[first_seq] onwards of plain K/V (varlen_prefill_attention)."""
     tile = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2)
+    seq = first_seq + tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     n_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= n_q:
@@ -201,9 +202,11 @@ def _prefill_kernel(
     if PAGED:
         ctx = tl.load(context_lens_ptr + seq)
     else:
-        ctx = n_q
-        k_ptr += q_start.to(tl.int64) * stride_kt
-        v_ptr += q_start.to(tl.int64) * stride_vt
+        k_start = tl.load(context_lens_ptr + seq)
+        ctx = tl.load(context_lens_ptr + seq + 1) - k_start
+        k_start = (k_start - tl.load(context_lens_ptr + first_seq)).to(tl.int64)
+        k_ptr += k_start * stride_kt
+        v_ptr += k_start * stride_vt
     kv_head = head // G
 
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
@@ -369,45 +372,118 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
                            fp8=k_cache.dtype == torch.float8_e4m3fn, **config)
 
 
-def varlen_prefill_attention(q, k, v, cu_seqlens, max_seqlen, scale, *, out=None, **config):
-    """Causal attention of a varlen batch over its own K/V: prefill without a cached prefix, whatever
-    the cache holds (an fp8 cache is then not read: its rounding touches decode only, as with flash-attn).
+def varlen_prefill_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale, *, cu_seqlens_k=None, seqs=None,
+                             out=None, **config):
+    """Causal attention of a varlen batch over plain (not paged) K/V: without cu_seqlens_k, prefill without
+    a cached prefix over the step's own K/V, whatever the cache holds (an fp8 cache is then not read: its
+    rounding touches decode only, as with flash-attn); with it, over dequantized contexts
+    (dequantized_prefill_attention).
 
-    q: [T, H, D], k, v: [T, KVH, D] (head_dim contiguous; other strides free, e.g. views of the qkv
-    projection); sequence b's queries and keys are rows cu_seqlens[b]:cu_seqlens[b+1] (int32 [B+1]).
-    max_seqlen: the longest (a host int). out and config as for paged_prefill_attention.
+    q: [T, H, D]; sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32 [B+1]) and sit at
+    the last positions of its keys: k, v [*, KVH, D] rows cu_seqlens_k[b]:cu_seqlens_k[b+1] (default
+    cu_seqlens_q), counted from cu_seqlens_k[first] when seqs = (first, end) limits the call to sequences
+    first..end-1 (default all). head_dim contiguous; other strides free, e.g. views of the qkv projection.
+    max_seqlen_q: the longest query run (a host int). out and config as for paged_prefill_attention.
     """
-    assert k.shape == v.shape and k.shape[0] == q.shape[0] and q.shape[1] % k.shape[1] == 0
-    assert q.shape[2] == k.shape[2] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.dtype == q.dtype
+    assert k.shape == v.shape and q.shape[1] % k.shape[1] == 0 and q.shape[2] == k.shape[2]
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.dtype == q.dtype
     assert out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1)
-    precision = _dot_precision(q)
+    if cu_seqlens_k is None:
+        assert k.shape[0] == q.shape[0], "without cu_seqlens_k the keys are the queries' own rows"
+        cu_seqlens_k = cu_seqlens_q
     strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1), 1, 0, 0, 0)  # no blocks, scales, table
-    return _launch_prefill(q, k, v, k, v, cu_seqlens, cu_seqlens, cu_seqlens, strides, max_seqlen, scale, out,
-                           precision, page=0, kvh=k.shape[1], fp8=False, paged=False, **config)
+    return _launch_prefill(q, k, v, k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, strides, max_seqlen_q, scale,
+                           out, _dot_precision(q), page=0, kvh=k.shape[1], fp8=False, paged=False, seqs=seqs,
+                           **config)
 
 
 def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, kv_strides, max_seqlen_q,
-                    scale, out, precision, *, page, kvh, fp8, paged=True, block_m=None, block_n=None, num_warps=None,
-                    num_stages=None):
+                    scale, out, precision, *, page, kvh, fp8, paged=True, seqs=None, block_m=None, block_n=None,
+                    num_warps=None, num_stages=None):
     """_prefill_kernel over K/V whose 10 strides (K's block, token, head; V's block, token, head, dim;
-    the scales' block, head; the table's row) the caller worked out; the tile defaults of _prefill_tile."""
+    the scales' block, head; the table's row) the caller worked out, for sequences seqs = (first, end)
+    (default all); the tile defaults of _prefill_tile."""
     T, H, D = q.shape
     out = torch.empty_like(q) if out is None else out
-    B = cu_seqlens_q.shape[0] - 1
-    if T == 0 or B == 0:
+    first, end = seqs or (0, cu_seqlens_q.shape[0] - 1)
+    if T == 0 or end == first:
         return out
     default_m, default_n, default_stages = _prefill_tile(D, max_seqlen_q, fp8)
     block_m, block_n = block_m or default_m, block_n or default_n
     num_warps = num_warps or (8 if block_m * D >= 128 * 128 else 4)
-    grid = (triton.cdiv(max_seqlen_q, block_m), H, B)
+    grid = (triton.cdiv(max_seqlen_q, block_m), H, end - first)
     _prefill_kernel[grid](
-        q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, out,
+        q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, out, first,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides,
         G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
         FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q), PAGED=paged,
         num_warps=num_warps, num_stages=num_stages or default_stages,
     )
     return out
+
+
+@triton.jit
+def _dequantize_kernel(
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, cu_seqlens_k_ptr, k_out_ptr, v_out_ptr, first_seq,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
+    stride_ot, stride_oh, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (token tiles, KVH, sequences): BLOCK_N context tokens of one kv head of sequence
+    first_seq + program_id(2), read from the paged fp8 cache, times their scales, into rows
+    cu_seqlens_k[seq] - cu_seqlens_k[first_seq] onwards of k_out, v_out [*, KVH, D]."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = first_seq + tl.program_id(2)
+    k_start = tl.load(cu_seqlens_k_ptr + seq)
+    ctx = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    start = tile * BLOCK_N
+    if start >= ctx:
+        return
+    k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+                                      block_tables_ptr + seq.to(tl.int64) * stride_bt, start, ctx, kv_head,
+                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                      stride_sb, stride_sh, D, PAGE, BLOCK_N, True, True)
+    tok = start + tl.arange(0, BLOCK_N)
+    rows = (k_start - tl.load(cu_seqlens_k_ptr + first_seq) + tok).to(tl.int64)
+    offs = rows[:, None] * stride_ot + kv_head * stride_oh + tl.arange(0, D)[None, :]
+    mask = (tok < ctx)[:, None]
+    tl.store(k_out_ptr + offs, (k.to(tl.float32) * k_scale[:, None]).to(k_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_out_ptr + offs, (v.to(tl.float32) * v_scale[:, None]).to(v_out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantized_prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, cu_seqlens_k,
+                                  groups, scale, workspace, *, out=None, **config):
+    """paged_prefill_attention over an fp8 cache, by way of a workspace: each group of sequences' contexts
+    is dequantized into workspace [2, capacity, KVH, D] (q's dtype), then attended to with the 16-bit
+    kernel (varlen_prefill_attention), which runs ~1.3x faster than the fp8 kernel's register conversions
+    once a sequence has enough queries to amortize the extra pass (BENCHMARKS.md).
+
+    groups: (first, end, max_seqlen_q, max_seqlen_k) per run of sequences first..end-1 whose contexts fit
+    the workspace together (attention.workspace_groups). Other arguments as for paged_prefill_attention,
+    with cu_seqlens_k int32 [B+1] the running sum of context_lens; config goes to the 16-bit kernel.
+    """
+    _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out)
+    out = torch.empty_like(q) if out is None else out
+    for first, end, max_seqlen_q, max_seqlen_k in groups:
+        dequantize_paged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_k, (first, end), max_seqlen_k,
+                            workspace)
+        varlen_prefill_attention(q, workspace[0], workspace[1], cu_seqlens_q, max_seqlen_q, scale,
+                                 cu_seqlens_k=cu_seqlens_k, seqs=(first, end), out=out, **config)
+    return out
+
+
+def dequantize_paged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_k, seqs, max_seqlen_k, workspace,
+                        block_n=64, num_warps=4):
+    """The contexts of sequences seqs = (first, end) from an fp8 paged cache, times their scales, into
+    workspace [2, capacity, KVH, D] (K, V; sequence b's from row cu_seqlens_k[b] - cu_seqlens_k[first])."""
+    _, page, kvh, D = k_cache.shape
+    first, end = seqs
+    k_out, v_out = workspace
+    _dequantize_kernel[(triton.cdiv(max_seqlen_k, block_n), kvh, end - first)](
+        k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_k, k_out, v_out, first,
+        *k_cache.stride()[:3], *v_token_major(v_cache).stride(), k_scale.stride(0), k_scale.stride(1),
+        block_tables.stride(0), k_out.stride(0), k_out.stride(1), D=D, PAGE=page, BLOCK_N=block_n,
+        num_warps=num_warps)
 
 
 def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool) -> tuple[int, int, int]:
