@@ -65,9 +65,10 @@ def dequantizing_pays(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> bool:
     """Whether a prefill step over an fp8 prefix should go through the dequantization workspace
     (triton_attention.dequantized_prefill_attention). Dequantizing costs a pass over every context token;
     the 16-bit kernel then saves time per (query, key) pair. So the measure is the step's queries per
-    context token, sum_b n_q_b * ctx_b / sum_b ctx_b, against DEQUANT_MIN_QUERIES. H200, Qwen3-0.6B heads
-    (BENCHMARKS.md, ninth session), dequantizing + the 16-bit kernel against the fp8 kernel: 0.50x its
-    time at 512 queries a sequence, 0.73x at 128, 1.03x at 64, 1.95x at 16."""
+    context token, sum_b n_q_b * ctx_b / sum_b ctx_b, against DEQUANT_MIN_QUERIES. H200, Qwen3-0.6B heads,
+    ~1,000-2,000-token contexts (BENCHMARKS.md, ninth session, call 3), dequantizing + the 16-bit kernel
+    against the fp8 kernel: 0.48x its time at 512 queries a sequence, 0.70x at 128, 0.99x at 64, 1.88x
+    at 16."""
     pairs = sum((cu_seqlens_q[b + 1] - cu_seqlens_q[b]) * (cu_seqlens_k[b + 1] - cu_seqlens_k[b])
                 for b in range(len(cu_seqlens_k) - 1))
     return pairs >= DEQUANT_MIN_QUERIES * cu_seqlens_k[-1]

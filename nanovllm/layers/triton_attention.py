@@ -408,7 +408,7 @@ def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, conte
     first, end = seqs or (0, cu_seqlens_q.shape[0] - 1)
     if T == 0 or end == first:
         return out
-    default_m, default_n, default_stages = _prefill_tile(D, max_seqlen_q, fp8)
+    default_m, default_n, default_stages = _prefill_tile(D, max_seqlen_q, fp8, paged)
     block_m, block_n = block_m or default_m, block_n or default_n
     num_warps = num_warps or (8 if block_m * D >= 128 * 128 else 4)
     grid = (triton.cdiv(max_seqlen_q, block_m), H, end - first)
@@ -486,17 +486,18 @@ def dequantize_paged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, cu_seq
         num_warps=num_warps)
 
 
-def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool) -> tuple[int, int, int]:
+def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool, paged: bool) -> tuple[int, int, int]:
     """Default (block_m, block_n, num_stages) of the prefill kernel (num_warps follows block_m: 8 from
     128 x 128 elements a tile).
 
-    H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128; BENCHMARKS.md, seventh and eighth sessions): 64/64/4/3
-    was the best of 13 tiles at every shape for an fp8 cache (1.64-1.73x flash-attn's time on bf16,
-    against 1.98-2.24x with 128/128/8/2). Over a paged bf16 cache 128/128/8/2 is the best (1 x 4,096:
-    0.82x flash-attn, 64/64/4/3 0.91x). Not paged (bf16 K/V), 64/64/4/3 was faster alone (0.76x / 0.67x
-    against 0.92x / 0.80x), but the one engine run with it as the default was slower throughout, for a
-    reason not found (eighth session, call 7): 16-bit K/V keep 128/128/8/2 until it is measured again.
+    H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128; BENCHMARKS.md, seventh to ninth sessions): 64/64/4/3
+    was the best of 13 tiles at every shape over an fp8 cache (1.64-1.73x flash-attn's time on bf16,
+    against 1.98-2.24x with 128/128/8/2) and over plain 16-bit K/V (varlen_prefill_attention: 0.76x /
+    0.67x at 8 x 1,024 / 1 x 4,096 against 0.92x / 0.80x; 0.68-0.77x of 128/128/8/2's time over
+    dequantized prefixes). Over a paged 16-bit cache 128/128/8/2 is the best (1 x 4,096: 0.82x
+    flash-attn, 64/64/4/3 0.91x).
     """
-    block_m = min(64 if fp8 else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
-    block_n = 64 if fp8 or head_dim > 128 else 128
-    return block_m, block_n, 3 if fp8 else 2
+    small = fp8 or not paged
+    block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
+    block_n = 64 if small or head_dim > 128 else 128
+    return block_m, block_n, 3 if small else 2
