@@ -3,7 +3,8 @@
 Each layer's K/V cache is [num_blocks, block_size, num_kv_heads, head_dim]; token slot s lives at
 block s // block_size, offset s % block_size. A step first writes its new K/V into the cache (the
 Attention layer's store, or on CUDA the model's fused q/k norm + RoPE kernel, qk_norm_rope.py), then
-attends over the cache (or, for prefill without a cached prefix, over the new K/V).
+attends over the cache (or, for prefill without a cached prefix, over the new K/V; for prefill over an
+fp8 prefix with enough new tokens, over a 16-bit copy of the contexts: dequantizing_pays).
 
 With kv_cache_dtype="fp8" the caches are float8_e4m3fn and each layer also has k_scale, v_scale
 [num_blocks, num_kv_heads, block_size] float32 (slot s of head h at [s // block_size, h, s % block_size],
