@@ -3,7 +3,7 @@
 argmax_v p_v / E_v with E_v ~ Exp(1) draws v with probability p_v; in log space that is
 argmax_v logit_v / T + G_v with Gumbel noise G_v = -log(-log U_v). On CUDA one Triton kernel does it
 in a single pass over the logits (no softmax, no float32 copy, no host sync per sequence); when the
-rows are fewer than the SMs, it splits each row over several programs and a tiny pass picks the best
+rows are fewer than eight per SM, it splits each row over several programs and a tiny pass picks the best
 of each row's chunks.
 
 A batch in which some row uses top-k / top-p / min-p, penalties, a seed or logprobs takes the general
@@ -84,9 +84,10 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | 
                   num_chunks: int | None = None, thresholds: torch.Tensor | None = None,
                   row_seeds: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [rows, vocab] -> [rows] int64. One program per row, in one pass, once the rows fill the GPU;
-    with fewer rows than SMs each row's vocabulary is split over up to `num_chunks` programs (by default
-    about two programs per SM; one chunk on CPU) and a second pass takes each row's best chunk, the
-    earliest on ties. The tokens are the same for any split.
+    with fewer than eight rows per SM each row's vocabulary is split over up to `num_chunks` programs (by
+    default about eight programs per SM; one chunk on CPU) and a second pass takes each row's best chunk,
+    the earliest on ties. The tokens are the same for any split. (H200, Qwen3's vocabulary: 80 us at 128
+    rows against 102 us with two programs per SM, 48.7 against 58.2 at 64 rows; BENCHMARKS.md.)
 
     thresholds: [rows] float32, the smallest logit each row keeps (see sampling_filters).
     row_seeds: [rows] int64 Philox keys of the seeded rows, -1 for rows drawing from `seed`."""
@@ -95,7 +96,7 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | 
     if isinstance(seed, int):
         seed = torch.tensor([seed], dtype=torch.int64, device=logits.device)
     if num_chunks is None:
-        num_chunks = max(1, 2 * num_sms(logits.device) // num_rows) if logits.is_cuda else 1
+        num_chunks = max(1, 8 * num_sms(logits.device) // num_rows) if logits.is_cuda else 1
     if num_chunks == 1:
         block, num_warps, chunk_size = min(4096, max(16, triton.next_power_of_2(vocab_size))), 8, vocab_size
     else:  # chunks of whole blocks, at least one block each

@@ -1,0 +1,55 @@
+"""Time the fused q/k norm + RoPE (+ KV store) kernel of a decode step on a CUDA GPU (written for an H200).
+
+    python scripts/bench_qk_norm_rope.py
+
+Qwen3-0.6B heads (16 q, 8 kv, head_dim 128), bf16, 256-token pages. Each token goes to its own random
+block, as a decode step's tokens do (one per sequence). Three stores: none, into a bf16 cache, into an
+fp8 cache (whose V is laid out tokens-contiguous, so a token's V head lands in 128 bytes 256 apart).
+Times are medians over CUDA-graph replays (scripts/gpu_timing.py); the table is printed and, if $OUT is
+set, written to $OUT/bench_qk_norm_rope.txt.
+"""
+
+import functools
+
+import torch
+from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
+
+from nanovllm.layers.qk_norm_rope import qk_norm_rope
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
+
+H, KVH, D, PAGE, BLOCKS = 16, 8, 128, 256, 4096
+DEV, DTYPE = "cuda", torch.bfloat16
+
+
+def caches(fp8: bool) -> dict:
+    """A layer's cache as Attention.kv_cache_views gives it."""
+    dtype = torch.float8_e4m3fn if fp8 else DTYPE
+    k = torch.zeros(BLOCKS, PAGE, KVH, D, dtype=dtype, device=DEV)
+    if not fp8:
+        return dict(k_cache=k, v_cache=torch.zeros_like(k))
+    scale = torch.ones(BLOCKS, KVH, PAGE, device=DEV)
+    return dict(k_cache=k, v_cache=torch.zeros(BLOCKS, KVH, D, PAGE, dtype=dtype, device=DEV), k_scale=scale,
+                v_scale=scale.clone())
+
+
+def main():
+    rope = RotaryEmbedding(default_inv_freq(D, 1e6), 4096).to(DEV)
+    weights = [torch.randn(D, dtype=DTYPE, device=DEV) for _ in range(2)]
+    emit(f"{torch.cuda.get_device_name()}: qk_norm_rope, H={H} KVH={KVH} D={D}, us per call")
+    emit(f"{'tokens':>6} {'no store':>9} {'bf16':>9} {'fp8':>9}")
+    for tokens in (1, 8, 64, 128, 256):
+        qkv = torch.randn(tokens, (H + 2 * KVH) * D, dtype=DTYPE, device=DEV)
+        positions = torch.randint(0, 4096, (tokens,), device=DEV)
+        slots = torch.randperm(BLOCKS, device=DEV)[:tokens] * PAGE + torch.randint(0, PAGE, (tokens,), device=DEV)
+        row = [f"{tokens:>6}"]
+        for store in (None, False, True):
+            kv = {} if store is None else dict(slot_mapping=slots, **caches(store))
+            call = functools.partial(qk_norm_rope, qkv, positions, rope.cos_sin_cache, H, KVH, D, *weights, **kv)
+            us = bench(call) * 1e3
+            row.append(f"{us:9.2f}")
+        emit(" ".join(row))
+    save_report("bench_qk_norm_rope.txt")
+
+
+if __name__ == "__main__":
+    main()
