@@ -455,8 +455,9 @@ def dequantized_prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_t
                                   groups, scale, workspace, *, out=None, **config):
     """paged_prefill_attention over an fp8 cache, by way of a workspace: each group of sequences' contexts
     is dequantized into workspace [2, capacity, KVH, D] (q's dtype), then attended to with the 16-bit
-    kernel (varlen_prefill_attention), which runs ~1.3x faster than the fp8 kernel's register conversions
-    once a sequence has enough queries to amortize the extra pass (BENCHMARKS.md).
+    kernel (varlen_prefill_attention). The fp8 kernel converts every K/V tile in registers and stores it
+    back to shared memory for wgmma; from ~128 queries a sequence, the extra pass over the contexts costs
+    less than that (attention.dequantizing_pays).
 
     groups: (first, end, max_seqlen_q, max_seqlen_k) per run of sequences first..end-1 whose contexts fit
     the workspace together (attention.workspace_groups). Other arguments as for paged_prefill_attention,
