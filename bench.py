@@ -58,6 +58,7 @@ def bench_throughput(llm: LLM, runs: int, breakdown: bool):
     total = sum(p.max_tokens for p in params)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
     for run in range(1, runs + 1):
+        llm.reset_prefix_cache()  # each run computes every prompt, as upstream's one run does
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -83,6 +84,7 @@ def time_by_phase(llm: LLM, prompts, params):
     decode steps by batch size. Steps overlap (a step() call launches step N and waits for step N-1),
     so a call's time is charged to the step it completed: the GPU time of that step, once the host
     keeps ahead of the GPU."""
+    llm.reset_prefix_cache()
     for seq in llm.make_sequences(prompts, params):
         llm.scheduler.add(seq)
     phases: dict[str, list[float]] = {}  # phase -> [steps, seconds, tokens]

@@ -292,3 +292,27 @@ def test_check_integrity_detects_a_missing_holder():
     check(bm, seqs)
     with pytest.raises(AssertionError):
         bm.check_integrity(seqs[:1])
+
+
+def test_reset_prefix_cache_forgets_free_and_live_blocks():
+    bm, live = pool_with_computed(8, range(1, 10))  # blocks 0, 1 full and hashed, 2 partial
+    finished = make_seq(range(20, 29))
+    admit(bm, finished)
+    compute(bm, finished)
+    bm.deallocate(finished)  # blocks 3, 4 hashed and free
+    assert len(bm.hash_to_block_id) == 4
+    bm.reset_prefix_cache()
+    assert bm.hash_to_block_id == {}
+    assert [bm.blocks[i].hash == NO_HASH for i in range(5)] == [False, False, True, True, True]
+    assert bm.blocks[3].token_ids == [] and bm.blocks[1].token_ids == [5, 6, 7, 8]  # live blocks unchanged
+    assert bm.cached_prefix(make_seq(range(1, 10))) == [] and bm.cached_prefix(make_seq(range(20, 29))) == []
+    check(bm, [live])
+    # A live block, computed again, is not re-registered: it may be freed and reused without a stale entry.
+    compute(bm, live, 0)
+    assert bm.hash_to_block_id == {}
+    bm.deallocate(live)
+    again = make_seq(range(1, 10))
+    assert admit(bm, again) == []
+    compute(bm, again)
+    assert sorted(bm.hash_to_block_id.values()) == sorted(again.block_table[:2])
+    check(bm, [again])

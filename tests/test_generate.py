@@ -74,6 +74,25 @@ def test_prefix_hits_give_identical_tokens(tiny_model, prompts, hf_reference):
     assert [o["token_ids"] for o in second] == hf_reference[::-1]
 
 
+def test_reset_prefix_cache_computes_prompts_in_full_again(tiny_model, prompts, hf_reference):
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.reset_prefix_cache()
+        cached_tokens = []  # of each sequence as it is admitted
+        allocate = llm.scheduler.block_manager.allocate
+
+        def spy(seq, cached):
+            allocate(seq, cached)
+            cached_tokens.append(seq.num_cached_tokens)
+
+        llm.scheduler.block_manager.allocate = spy
+        again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    # Without the reset, the repeated prompts and the 40-token shared prefix would hit (the test above);
+    # within this batch, only prompts admitted after an earlier one's prefill may.
+    assert cached_tokens[:5] == [0] * 5  # the five unique prompts, admitted first
+    assert [o["token_ids"] for o in again] == hf_reference
+
+
 def test_untied_checkpoint_and_text_prompts(tiny_model_untied):
     from transformers import AutoTokenizer
 

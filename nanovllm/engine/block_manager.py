@@ -121,6 +121,15 @@ class BlockManager:
             block.hash = block_hash(block.token_ids, block.prev_hash)
             self.hash_to_block_id[block.hash] = block.block_id
 
+    def reset_prefix_cache(self):
+        """Forget every cached prefix: no block answers a hash any more. Free blocks also drop their
+        hashes and tokens; blocks in use keep serving their sequences but are no longer shared."""
+        self.hash_to_block_id.clear()
+        for block_id in self.free_block_ids:
+            block = self.blocks[block_id]
+            block.hash = block.prev_hash = NO_HASH
+            block.token_ids = []
+
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]

@@ -163,6 +163,11 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq.seq_id
 
+    def reset_prefix_cache(self):
+        """Forget every cached prefix (BlockManager.reset_prefix_cache): later prompts are computed in
+        full, as on a fresh engine. Running requests are not affected."""
+        self.scheduler.block_manager.reset_prefix_cache()
+
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
