@@ -141,19 +141,27 @@ def test_decode_num_splits_heuristic():
     assert ta._decode_num_splits(64, 8, 4096, dev) == 1
 
 
-def run_prefill(context_lens, q_lens, block_size, h, kvh, d, dtype=torch.float32, fp8=False, **kwargs):
+def prefill_case(context_lens, q_lens, block_size, h, kvh, d, dtype, fp8):
+    """A paged cache holding context_lens[b] random tokens per sequence (fp8: quantized, its scales as
+    kernel kwargs), queries at the last q_lens[b] positions, cu_seqlens_q, a NaN-filled output and the
+    float64 reference: (q, k_cache, v_cache, scales, tables, cu, lens, scale, out, ref)."""
     k_cache, v_cache, tables, lens = make_cache(context_lens, block_size, kvh, d, dtype)
-    ref_k, ref_v = k_cache, v_cache
+    ref_k, ref_v, scales = k_cache, v_cache, {}
     if fp8:
         k_cache, v_cache, scales, ref_k, ref_v = fp8_cache(k_cache, v_cache)
-        kwargs.update(scales)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q = torch.randn(sum(q_lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
-    out = torch.full_like(q, float("nan"))
     scale = d ** -0.5
-    ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, max(q_lens), scale, out=out, **kwargs)
     ref = torch.cat([reference(q[cu[b]:cu[b + 1]], ref_k, ref_v, tables[b], n, scale)
                      for b, n in enumerate(context_lens)])
+    return q, k_cache, v_cache, scales, tables, cu, lens, scale, torch.full_like(q, float("nan")), ref
+
+
+def run_prefill(context_lens, q_lens, block_size, h, kvh, d, dtype=torch.float32, fp8=False, **kwargs):
+    q, k_cache, v_cache, scales, tables, cu, lens, scale, out, ref = prefill_case(
+        context_lens, q_lens, block_size, h, kvh, d, dtype, fp8)
+    ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, max(q_lens), scale, out=out, **scales,
+                               **kwargs)
     return q, (k_cache, v_cache, tables, cu, lens, scale), out, ref
 
 
@@ -244,19 +252,13 @@ def test_prefill_fp8(block_size, h, kvh, d, context_lens, q_lens):
 def run_dequantized_prefill(context_lens, q_lens, block_size, h, kvh, d, capacity, dtype=torch.float32):
     """dequantized_prefill_attention over an fp8 cache, the workspace holding `capacity` tokens (NaN
     before the call, so rows it should have written poison the output)."""
-    k_cache, v_cache, tables, lens = make_cache(context_lens, block_size, kvh, d, dtype)
-    k8, v8, scales, ref_k, ref_v = fp8_cache(k_cache, v_cache)
-    cu_q, cu_k = ([0, *torch.tensor(n).cumsum(0).tolist()] for n in (q_lens, context_lens))
-    groups = workspace_groups(cu_q, cu_k, capacity)
-    q = torch.randn(sum(q_lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
-    out = torch.full_like(q, float("nan"))
+    q, k8, v8, scales, tables, cu_q, lens, scale, out, ref = prefill_case(
+        context_lens, q_lens, block_size, h, kvh, d, dtype, fp8=True)
+    cu_k = torch.tensor([0, *lens.cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    groups = workspace_groups(cu_q.tolist(), cu_k.tolist(), capacity)
     workspace = torch.full((2, capacity, kvh, d), float("nan"), dtype=dtype, device=DEVICE)
-    cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device=DEVICE) for cu in (cu_q, cu_k))
-    scale = d ** -0.5
     ta.dequantized_prefill_attention(q, k8, v8, scales["k_scale"], scales["v_scale"], tables, cu_q, cu_k, groups,
                                      scale, workspace, out=out)
-    ref = torch.cat([reference(q[cu_q[b]:cu_q[b + 1]], ref_k, ref_v, tables[b], n, scale)
-                     for b, n in enumerate(context_lens)])
     return groups, out, ref
 
 
