@@ -82,9 +82,7 @@ class Cache:
         """K, V [ctx, KVH, D] float32 of a sequence's first ctx tokens, as the Triton kernels see them."""
         tok = torch.arange(ctx, device=DEV)
         blocks, offsets = table[tok // PAGE].long(), tok % PAGE
-        g = attention.v_group(PAGE)
-        k = self.kv[0][blocks, offsets].float()
-        v = attention.v_token_view(self.kv[1])[blocks, offsets // g, offsets % g].float()
+        k, v = (x[blocks, offsets].float() for x in (self.kv[0], attention.v_token_major(self.kv[1])))
         if self.scales:
             k *= self.scales["k_scale"][blocks, :, offsets][..., None]  # scales [num_blocks, KVH, PAGE]
             v *= self.scales["v_scale"][blocks, :, offsets][..., None]

@@ -14,7 +14,6 @@ import functools
 import torch
 from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.layers.attention import fp8_v_cache_shape
 from nanovllm.layers.qk_norm_rope import qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
 
@@ -29,8 +28,8 @@ def caches(fp8: bool) -> dict:
     if not fp8:
         return dict(k_cache=k, v_cache=torch.zeros_like(k))
     scale = torch.ones(BLOCKS, KVH, PAGE, device=DEV)
-    v = torch.zeros(fp8_v_cache_shape(BLOCKS, PAGE, KVH, D), dtype=dtype, device=DEV)
-    return dict(k_cache=k, v_cache=v, k_scale=scale, v_scale=scale.clone())
+    return dict(k_cache=k, v_cache=torch.zeros(BLOCKS, KVH, D, PAGE, dtype=dtype, device=DEV), k_scale=scale,
+                v_scale=scale.clone())
 
 
 def main():

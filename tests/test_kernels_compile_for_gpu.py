@@ -18,19 +18,18 @@ import pytest
 BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "block_tables_ptr": "*i32",
                   "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
-# stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: the
-# tokens of a group).
-DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, VG=16, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False,
-              PDL=True, stride_vd=1)
-PREFILL = dict(G=2, D=128, PAGE=256, VG=16, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, PAGED=True,
+# stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
+DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False, PDL=True,
+              stride_vd=1)
+PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, PAGED=True,
                stride_vd=1)
-VARLEN = dict(PAGE=0, VG=1, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages
+VARLEN = dict(PAGE=0, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages
 FP8_V = dict(FP8=True, stride_vd=None, stride_vt=1)  # merged into a configuration: None drops a key
-STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, VG=16, FP8=False)
+STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
 QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
                 "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "slot_mapping_ptr": "*i64"}  # k/v_scale_ptr: *fp32
-QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HAS_NORM=True, STORE=False, PAGE=256, VG=16,
-                               FP8=False, PDL=True)
+QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HAS_NORM=True, STORE=False, PAGE=256, FP8=False,
+                               PDL=True)
 SEARCH = {"logits_ptr": "*bf16", "active_ptr": "*i8", "lo_ptr": "*i32", "arrivals_ptr": "*i32"}
 SEARCH_SIZES = dict(NUM_BUCKETS=16, NUM_BINS=32, BLOCK=512)
 
@@ -64,7 +63,7 @@ def configurations():
         "dequantize fp8": (attention, "_dequantize_kernel",
                            {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "k_out_ptr": "*bf16", "v_out_ptr": "*bf16",
                             "block_tables_ptr": "*i32", "cu_seqlens_k_ptr": "*i32"}, [],
-                           dict(D=128, PAGE=256, VG=16, BLOCK_N=64, stride_vt=1)),
+                           dict(D=128, PAGE=256, BLOCK_N=64, stride_vt=1)),
         "store bf16": ("nanovllm.layers.attention", "_store_kvcache_kernel",
                        {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
                         "slot_mapping_ptr": "*i64"}, [], STORE),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.layers.attention import fp8_v_cache_shape, store_kvcache_torch, store_kvcache_triton
+from nanovllm.layers.attention import store_kvcache_torch, store_kvcache_triton
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.qk_norm_rope import qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rope, default_inv_freq
@@ -91,7 +91,7 @@ def make_slots(num_tokens, num_slots, device=DEVICE, seed=0) -> torch.Tensor:
 def nan_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, fp8, device=DEVICE) -> dict:
     """A layer's caches, NaN-filled, as qk_norm_rope's keyword arguments: fp8 with their scales, or of dtype."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    v_shape = fp8_v_cache_shape(*shape) if fp8 else shape  # fp8 V: in groups of tokens
+    v_shape = (num_blocks, num_kv_heads, head_dim, block_size) if fp8 else shape  # fp8 V: tokens contiguous
     cache = {name: torch.full(size, float("nan"), device=device).to(torch.float8_e4m3fn if fp8 else dtype)
              for name, size in (("k_cache", shape), ("v_cache", v_shape))}
     if fp8:

@@ -19,7 +19,7 @@ from nanovllm.engine.cuda_graph import DecodeGraphs, SamplerGraphs
 from nanovllm.engine.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerEnd
-from nanovllm.layers.attention import AttentionMetadata, dequantizing_pays, fp8_v_cache_shape, workspace_groups
+from nanovllm.layers.attention import AttentionMetadata, dequantizing_pays, workspace_groups
 from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
@@ -134,7 +134,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views (an
-        fp8 V cache viewed in its layout, attention.fp8_v_cache_shape); with an fp8 cache also the scales,
+        fp8 V cache viewed [blocks, kv_heads, head_dim, block_size]); with an fp8 cache also the scales,
         [2, layers, blocks, kv_heads, block_size] float32."""
         hf = self.config.hf_config
         cache_dtype = self.config.kv_cache_torch_dtype
@@ -174,9 +174,8 @@ class ModelRunner:
         attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         for i, layer in enumerate(attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            if fp8:  # V in groups of tokens (attention.py)
-                layer.v_cache = layer.v_cache.view(fp8_v_cache_shape(num_blocks, self.block_size, self.num_kv_heads,
-                                                                     self.head_dim))
+            if fp8:  # V tokens contiguous (attention.py)
+                layer.v_cache = layer.v_cache.view(num_blocks, self.num_kv_heads, self.head_dim, self.block_size)
                 layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
         return num_blocks
 

@@ -17,15 +17,11 @@ is not a number (possible only from non-finite activations, which poison their o
 0. The Triton kernels rely on it: their fp8 K/V loads are not masked (below), so they read stale
 slots past a sequence's context, whose probability is 0, and 0 * NaN would not be 0.
 
-An fp8 V cache is laid out [num_blocks, num_kv_heads, block_size // g, head_dim, g], g = v_group(block_size)
-(16 tokens): within a block, groups of g tokens whose elements lie together, tokens contiguous. The
-attention kernels' P @ V product reduces over tokens, and the tensor cores read 8-bit operands only with
-the reduced dimension contiguous (in the token-major layout the decode kernel fetched V from shared
-memory byte by byte); g tokens make one 16-byte load. Groups rather than whole blocks of contiguous
-tokens keep a token's V within g * head_dim bytes, so the store writes each 32-byte sector twice as
-densely, and let the kernels mask the tokens past a context by whole groups. `v_token_view` gives every V
-cache as [num_blocks, block_size // g, g, num_kv_heads, head_dim] (a view), which is how the torch code
-reads and writes it.
+An fp8 V cache is laid out [num_blocks, num_kv_heads, head_dim, block_size]: tokens contiguous. The
+attention kernels' P @ V product reduces over tokens, and the tensor cores read 8-bit operands only
+with the reduced dimension contiguous; in the token-major layout the decode kernel fetched V from
+shared memory byte by byte. `v_token_major` gives every V cache as [num_blocks, block_size,
+num_kv_heads, head_dim] (a view), which is how the torch code reads and writes it.
 """
 
 from collections.abc import Callable
@@ -39,7 +35,6 @@ from torch import nn
 # Constexprs, so the store kernel may read them; `.value` in torch code.
 FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
 FP8_MIN_AMAX = tl.constexpr(1e-12)  # an all-zero head still gets a positive scale
-V_GROUP = 16  # tokens a V group holds (module docstring), fewer in smaller blocks: v_group
 
 
 # Prefill over an fp8 prefix dequantizes it when there are at least this many queries per context token
@@ -115,15 +110,6 @@ def to_fp8(x):
 
 
 @triton.jit
-def fp8_v_offset(slot, head, d, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                 VG: tl.constexpr):
-    """Where element d of head `head` of cache slot `slot` lies in an fp8 V cache, [num_blocks,
-    NUM_KV_HEADS, PAGE // VG, HEAD_DIM, VG] (module docstring): a token's elements are VG apart."""
-    offset = slot % PAGE
-    return ((((slot // PAGE) * NUM_KV_HEADS + head) * (PAGE // VG) + offset // VG) * HEAD_DIM + d) * VG + offset % VG
-
-
-@triton.jit
 def _quantize_fp8(x, scale_ptr, slot, D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                   PAGE: tl.constexpr):
     """x: one token's K or V, [BLOCK_D] = heads of HEAD_DIM flattened (D valid). Stores each head's
@@ -137,7 +123,7 @@ def _quantize_fp8(x, scale_ptr, slot, D: tl.constexpr, BLOCK_D: tl.constexpr, HE
 @triton.jit
 def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
                           k_scale_ptr, v_scale_ptr, slot_mapping_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, VG: tl.constexpr, FP8: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot == -1:
@@ -149,36 +135,24 @@ def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_
     if FP8:
         key = _quantize_fp8(key, k_scale_ptr, slot, D, BLOCK_D, HEAD_DIM, PAGE)
         value = _quantize_fp8(value, v_scale_ptr, slot, D, BLOCK_D, HEAD_DIM, PAGE)
-        value_offsets = fp8_v_offset(slot, offsets // HEAD_DIM, offsets % HEAD_DIM, D // HEAD_DIM, HEAD_DIM, PAGE, VG)
+        # [num_blocks, kv_heads, head_dim, PAGE]: element `offsets` (head * HEAD_DIM + d) is PAGE apart
+        value_offsets = (slot // PAGE) * (D * PAGE) + offsets * PAGE + slot % PAGE
     else:
         value_offsets = slot * D + offsets
     tl.store(k_cache_ptr + slot * D + offsets, key, mask=mask)
     tl.store(v_cache_ptr + value_offsets, value, mask=mask)
 
 
-def v_group(block_size: int) -> int:
-    """Tokens a V group holds (module docstring): V_GROUP, or the whole block if smaller."""
-    return min(V_GROUP, block_size)
-
-
-def fp8_v_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """The shape of an fp8 V cache (module docstring)."""
-    g = v_group(block_size)
-    return num_blocks, num_kv_heads, block_size // g, head_dim, g
-
-
-def v_token_view(v_cache: torch.Tensor) -> torch.Tensor:
-    """A layer's V cache as [num_blocks, block_size // g, g, num_kv_heads, head_dim] (g = v_group), a view of
-    either layout; `.flatten(1, 2)` makes it token-major (a copy for fp8)."""
-    if v_cache.dtype == torch.float8_e4m3fn:  # [num_blocks, kv_heads, block_size // g, head_dim, g]
-        return v_cache.permute(0, 2, 4, 1, 3)
-    return v_cache.unflatten(1, (-1, v_group(v_cache.size(1))))
+def v_token_major(v_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's V cache as [num_blocks, block_size, num_kv_heads, head_dim], a view: an fp8 V cache is
+    stored [num_blocks, num_kv_heads, head_dim, block_size] (module docstring)."""
+    return v_cache.permute(0, 3, 1, 2) if v_cache.dtype == torch.float8_e4m3fn else v_cache
 
 
 def fp8_v_layout(v: torch.Tensor) -> torch.Tensor:
-    """A token-major [num_blocks, block_size, num_kv_heads, head_dim] V cache in the fp8 V cache's layout
-    (a contiguous copy)."""
-    return v.unflatten(1, (-1, v_group(v.size(1)))).permute(0, 3, 1, 4, 2).contiguous()
+    """A token-major [num_blocks, block_size, num_kv_heads, head_dim] V cache in the fp8 V cache's layout,
+    [num_blocks, num_kv_heads, head_dim, block_size] (a contiguous copy)."""
+    return v.permute(0, 2, 3, 1).contiguous()
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
@@ -186,8 +160,7 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.
     """Asserts what the Triton KV stores assume of a layer's cache (see the module docstring); returns
     whether it is fp8."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    assert k_cache.shape[2:] == (num_kv_heads, head_dim)
-    assert v_cache.shape == (fp8_v_cache_shape(*k_cache.shape) if fp8 else k_cache.shape)
+    assert k_cache.shape == v_token_major(v_cache).shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert fp8 == (k_scale is not None), "an fp8 cache comes with its scales"
     if fp8:
@@ -209,7 +182,7 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
         k_scale, v_scale = k_cache, v_cache  # unused
     _store_kvcache_kernel[(num_tokens,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache, k_scale,
                                          v_scale, slot_mapping, d, triton.next_power_of_2(d), head_dim,
-                                         k_cache.size(1), v_group(k_cache.size(1)), fp8)
+                                         k_cache.size(1), fp8)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,19 +207,17 @@ def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // k_cache.size(1), slots % k_cache.size(1)
-    g = v_group(k_cache.size(1))
-    for x, cache, scales in ((key, k_cache.unflatten(1, (-1, g)), k_scale), (value, v_token_view(v_cache), v_scale)):
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_token_major(v_cache), v_scale)):
         x = x[valid]  # [tokens, kv_heads, head_dim]
         if scales is not None:  # fp8 cache
             x, token_scales = quantize_fp8(x)
             scales[blocks, :, offsets] = token_scales  # [tokens, kv_heads]
-        cache[blocks, offsets // g, offsets % g] = x
+        cache[blocks, offsets] = x
 
 
 def _gather(cache, scales, blocks, num_keys) -> torch.Tensor:
-    """The first num_keys tokens of the cache blocks `blocks`, float32 (dequantized if fp8): [keys, kv_heads, dim].
-    cache: [num_blocks, block_size, kv_heads, dim], or a V cache's v_token_view."""
-    x = cache[blocks].flatten(0, cache.dim() - 3)[:num_keys].float()
+    """The first num_keys tokens of the cache blocks `blocks`, float32 (dequantized if fp8): [keys, kv_heads, dim]."""
+    x = cache[blocks].flatten(0, 1)[:num_keys].float()
     if scales is not None:
         x *= scales[blocks].transpose(1, 2).flatten(0, 1)[:num_keys, :, None]
     return x
@@ -271,7 +242,7 @@ def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
         else:
             blocks = meta.block_tables[i, :(num_keys + block_size - 1) // block_size].long()
             keys = _gather(k_cache, k_scale, blocks, num_keys)
-            values = _gather(v_token_view(v_cache), v_scale, blocks, num_keys)
+            values = _gather(v_token_major(v_cache), v_scale, blocks, num_keys)
         keys, values = (x.repeat_interleave(group, dim=1) for x in (keys, values))  # [keys, heads, dim]
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
         # Query j sits at position num_keys - num_queries + j and sees keys up to that position.

@@ -11,13 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention import check_kv_cache, fp8_v_offset, store_fp8_scale, to_fp8, v_group
+from nanovllm.layers.attention import check_kv_cache, store_fp8_scale, to_fp8
 from nanovllm.utils.device import pdl_enabled
 
 
 @triton.jit
 def _store_head(x1, x2, cache_ptr, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
-                PAGE: tl.constexpr, VG: tl.constexpr, FP8: tl.constexpr, IS_V: tl.constexpr):
+                PAGE: tl.constexpr, FP8: tl.constexpr, IS_V: tl.constexpr):
     """Writes KV head `head` of one token, as its halves x1, x2 [D // 2], to cache slot `slot`; into an fp8
     cache quantized as the KV store does (a scale per token and head: this one head's)."""
     half = tl.arange(0, D // 2)
@@ -26,14 +26,12 @@ def _store_head(x1, x2, cache_ptr, scale_ptr, slot, head, NUM_KV_HEADS: tl.const
         scale = store_fp8_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), scale_ptr, slot, head,
                                 NUM_KV_HEADS, PAGE)
         x1, x2 = to_fp8(x1 / scale), to_fp8(x2 / scale)
-    if FP8 and IS_V:  # the head's elements are VG apart
-        offs = fp8_v_offset(slot, head, half, NUM_KV_HEADS, D, PAGE, VG)
-        step = VG
+    if FP8 and IS_V:  # [num_blocks, kv_heads, D, PAGE]: the head's elements are PAGE apart
+        base, step = ((slot // PAGE) * NUM_KV_HEADS + head) * (D * PAGE) + slot % PAGE, PAGE
     else:
-        offs = (slot * NUM_KV_HEADS + head) * D + half
-        step = 1
-    tl.store(cache_ptr + offs, x1)
-    tl.store(cache_ptr + offs + (D // 2) * step, x2)
+        base, step = (slot * NUM_KV_HEADS + head) * D, 1
+    tl.store(cache_ptr + base + half * step, x1)
+    tl.store(cache_ptr + base + (half + D // 2) * step, x2)
 
 
 @triton.jit
@@ -41,8 +39,8 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride
                          q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
                          k_scale_ptr, v_scale_ptr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
-                         HAS_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr, VG: tl.constexpr,
-                         FP8: tl.constexpr, PDL: tl.constexpr):
+                         HAS_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                         PDL: tl.constexpr):
     if PDL:  # launched while the qkv projection runs: wait for it before reading anything
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -58,7 +56,7 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride
         if head >= NUM_HEADS + NUM_KV_HEADS:  # a v head: stored unchanged
             if slot != -1:
                 _store_head(x1, x2, v_cache_ptr, v_scale_ptr, slot, head - NUM_HEADS - NUM_KV_HEADS, NUM_KV_HEADS,
-                            D, PAGE, VG, FP8, IS_V=True)
+                            D, PAGE, FP8, IS_V=True)
             return
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -90,7 +88,7 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride
     tl.store(dst + D // 2, y2)
     if STORE:
         if not is_q and slot != -1:
-            _store_head(y1, y2, k_cache_ptr, k_scale_ptr, slot, head - NUM_HEADS, NUM_KV_HEADS, D, PAGE, VG, FP8,
+            _store_head(y1, y2, k_cache_ptr, k_scale_ptr, slot, head - NUM_HEADS, NUM_KV_HEADS, D, PAGE, FP8,
                         IS_V=False)
 
 
@@ -130,13 +128,12 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     q = qkv.new_empty(num_tokens, num_heads, head_dim)
     k = qkv.new_empty(num_tokens, num_kv_heads, head_dim)
     grid = (num_tokens, num_heads + num_kv_heads + (num_kv_heads if store else 0))
-    page = k_cache.size(1) if store else 1
     pdl = pdl_enabled(qkv.device)
     _qk_norm_rope_kernel[grid](
         qkv, qkv.stride(0), positions, cos_sin_cache, cos_sin_cache.stride(0), q, k, q_weight, k_weight, eps,
         slot_mapping, k_cache, v_cache, k_scale, v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, HAS_NORM=has_norm, STORE=store,
-        PAGE=page, VG=v_group(page), FP8=fp8, PDL=pdl, launch_pdl=pdl,
+        PAGE=k_cache.size(1) if store else 1, FP8=fp8, PDL=pdl, launch_pdl=pdl,
         # One warp per head (32 or 64 elements a half): the sum of squares needs no cross-warp step.
         num_warps=1,
         # No FMA contraction: x1 * cos - x2 * sin rounds each product as torch does.

@@ -5,9 +5,8 @@ contiguous). Token t of sequence b lives in block block_tables[b, t // block_siz
 t % block_size. The softmax runs in the log2 domain (exp2, with scale * log2(e) folded into the
 logits) and accumulates in float32.
 
-fp8 KV cache: k_cache, v_cache are float8_e4m3fn, v_cache laid out [num_blocks, num_kv_heads, block_size // 16,
-head_dim, 16] (groups of 16 contiguous tokens, attention.py says why; the kernels take V's strides apart from
-K's), and
+fp8 KV cache: k_cache, v_cache are float8_e4m3fn, v_cache laid out [num_blocks, num_kv_heads, head_dim,
+block_size] (tokens contiguous, attention.py says why; the kernels take V's strides apart from K's), and
 k_scale, v_scale [num_blocks, num_kv_heads, block_size] float32 hold each token's per-head scale
 (cached value = x / scale, see attention.quantize_fp8), so the scales a tile needs for one kv head are
 contiguous. The scales are applied where they cost least: key j's logits are multiplied by k_scale[j]
@@ -22,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention import v_group, v_token_view
+from nanovllm.layers.attention import v_token_major
 from nanovllm.utils.device import num_sms, pdl_enabled
 
 LOG2E = 1.4426950408889634
@@ -33,19 +32,17 @@ NEG_INF = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, limit, kv_head,
-             stride_kb, stride_kt, stride_kh, stride_vb, stride_vg, stride_vt, stride_vh, stride_vd,
-             stride_sb, stride_sh, D: tl.constexpr, PAGE: tl.constexpr, VG: tl.constexpr, BLOCK_N: tl.constexpr,
-             FP8: tl.constexpr, PAGED: tl.constexpr):
+             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh,
+             D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, PAGED: tl.constexpr):
     """K and V tiles [BLOCK_N, D] of tokens start..start+BLOCK_N of one kv head, and their scales
     [BLOCK_N] (with FP8, 0 for tokens >= limit; else ones, which _softmax_step does not read).
-    K's head_dim is contiguous. V's strides are those of v_token_view: token t of a page lies at
-    (t // VG) * stride_vg + (t % VG) * stride_vt (an fp8 V has groups of VG contiguous tokens, stride_vt 1).
+    K's head_dim is contiguous; V's strides are its own (an fp8 V has contiguous tokens, stride_vt 1).
     Not PAGED: k_ptr, v_ptr point at the sequence's first token of plain [tokens, KVH, D] K/V (the block
-    strides and table are not read; VG 1).
+    strides and table are not read).
 
-    Tokens >= limit read 0, but in an fp8 V: its loads are masked by whole groups, as a mask that varied
-    within a group would split its VG-byte load into single bytes. The tokens past limit in the last
-    group read whatever their slot holds, from their page: a finite value (an fp8 cache holds no NaN,
+    16-bit tokens >= limit read 0. fp8 K/V loads are not masked: a mask that varies along V's contiguous
+    token axis would split them into single bytes. There tokens >= limit read whatever their slot
+    holds, from their page or block 0, never out of bounds: a finite value (an fp8 cache holds no NaN,
     attention.py), which their masked logit and zero scale take out of the result."""
     tok = start + tl.arange(0, BLOCK_N)
     mask = tok < limit
@@ -61,13 +58,13 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
         offset = tok % PAGE
     d = tl.arange(0, D)[None, :]
     k_rows = blk * stride_kb + offset * stride_kt + kv_head * stride_kh  # [BLOCK_N] int64
-    v_rows = blk * stride_vb + (offset // VG) * stride_vg + (offset % VG) * stride_vt + kv_head * stride_vh
-    # The masks are constant along the contiguous axis (K: head_dim; V: its group), so they cost nothing.
-    k = tl.load(k_ptr + k_rows[:, None] + d, mask=mask[:, None], other=0.0)
-    v_mask = mask
+    v_rows = blk * stride_vb + offset * stride_vt + kv_head * stride_vh
+    k_ptrs, v_ptrs = k_ptr + k_rows[:, None] + d, v_ptr + v_rows[:, None] + d * stride_vd
     if FP8:
-        v_mask = (tok // VG) * VG < limit
-    v = tl.load(v_ptr + v_rows[:, None] + d * stride_vd, mask=v_mask[:, None], other=0.0)
+        k, v = tl.load(k_ptrs), tl.load(v_ptrs)
+    else:  # free: the mask is constant along head_dim, the contiguous axis
+        k = tl.load(k_ptrs, mask=mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
     if FP8:  # scales [num_blocks, KVH, PAGE]
         scale_offs = blk * stride_sb + kv_head * stride_sh + offset
         k_scale = tl.load(k_scale_ptr + scale_offs, mask=mask, other=0.0)
@@ -114,9 +111,8 @@ def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ptr, m_ptr,
     l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vg, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, VG: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -149,8 +145,8 @@ def _decode_kernel(
     # made the kernel 1.2x slower over ragged contexts (BENCHMARKS.md, eighth session).
     for s in range(start, end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
-                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vg, stride_vt, stride_vh,
-                                          stride_vd, stride_sb, stride_sh, D, PAGE, VG, BLOCK_N, FP8, True)
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, True)
         kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, kv_mask,
                                       sm_scale_log2, DOT_PRECISION, FP8)
@@ -189,9 +185,8 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
     first_seq, sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vg, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
-    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, VG: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """Grid (query tiles, H, sequences): BLOCK_M queries of one head of sequence first_seq + program_id(2),
@@ -233,14 +228,14 @@ def _prefill_kernel(
     kv_end = tl.minimum(first + BLOCK_M, ctx)
     for s in range(0, full_end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
-                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vg, stride_vt, stride_vh,
-                                          stride_vd, stride_sb, stride_sh, D, PAGE, VG, BLOCK_N, FP8, PAGED)
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, PAGED)
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, None, sm_scale_log2,
                                       DOT_PRECISION, FP8)
     for s in range(full_end, kv_end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
-                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vg, stride_vt, stride_vh,
-                                          stride_vd, stride_sb, stride_sh, D, PAGE, VG, BLOCK_N, FP8, PAGED)
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, PAGED)
         # Keys past the context lie past every query's position (rows past n_q are not stored).
         causal = (s + tl.arange(0, BLOCK_N))[None, :] <= pos[:, None]
         m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, causal, sm_scale_log2,
@@ -253,9 +248,8 @@ def _prefill_kernel(
 
 def _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out) -> str:
     """Validate layouts; return the tl.dot input precision for q's dtype."""
-    v = v_token_view(v_cache)  # [num_blocks, groups, VG, KVH, D]
-    assert (v.size(0), v.size(1) * v.size(2), *v.shape[3:]) == k_cache.shape
-    assert v.stride(2 if k_cache.dtype == torch.float8_e4m3fn else -1) == 1  # fp8: a group's tokens, else head_dim
+    v = v_token_major(v_cache)  # fp8: tokens contiguous (stride 1), else head_dim
+    assert k_cache.shape == v.shape and v.stride(1 if k_cache.dtype == torch.float8_e4m3fn else -1) == 1
     assert (k_cache.dtype == torch.float8_e4m3fn) == (k_scale is not None), "an fp8 cache comes with its scales"
     if k_scale is not None:
         num_blocks, block_size, kvh, _ = k_cache.shape
@@ -280,17 +274,12 @@ def _fp8_compute_dtype(q: torch.Tensor):
     return tl.float32 if q.dtype == torch.float32 else tl.float16
 
 
-def _scale_ptrs(k_cache, v_cache, k_scale, v_scale) -> tuple:
-    """The k_scale, v_scale kernel arguments; without fp8, unused placeholders."""
-    return (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
-
-
-def _paged_strides(k_cache, v_cache, k_scale, block_tables) -> tuple[int, ...]:
-    """The 11 stride arguments of a paged cache (_load_kv): K's block, token, head; V's block, group, token,
-    head, dim (v_token_view); the [num_blocks, KVH, block_size] scales' block, head (0 without fp8); the
-    block table's row."""
-    scale_strides = (0, 0) if k_scale is None else k_scale.stride()[:2]
-    return (*k_cache.stride()[:3], *v_token_view(v_cache).stride(), *scale_strides, block_tables.stride(0))
+def _scale_args(k_cache, v_cache, k_scale, v_scale) -> tuple:
+    """(k_scale, v_scale, stride_sb, stride_sh) kernel arguments (block and kv-head strides of the
+    [num_blocks, KVH, block_size] scales); without fp8, unused placeholders."""
+    if k_scale is None:
+        return k_cache, v_cache, 0, 0
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1)
 
 
 def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -319,7 +308,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     """Single-token attention of each sequence over its paged KV cache.
 
     q: [B, H, D], the query at position context_lens[b] - 1 (its K/V already in the cache).
-    k_cache, v_cache: [num_blocks, block_size, KVH, D] (an fp8 v_cache in groups, attention.fp8_v_cache_shape);
+    k_cache, v_cache: [num_blocks, block_size, KVH, D] (an fp8 v_cache [num_blocks, KVH, D, block_size]);
     block_tables: int32 [B, max_blocks]; context_lens: int32 [B] (0 = padding row: output zeros, no KV
     read). Returns [B, H, D] in q.dtype.
     k_scale, v_scale: [num_blocks, KVH, block_size] float32, given iff the cache is float8_e4m3fn.
@@ -345,12 +334,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
     else:
         part_max = part_sum = part_acc = out  # unused
-    strides = _paged_strides(k_cache, v_cache, k_scale, block_tables)
+    k_scale, v_scale, stride_sb, stride_sh = _scale_args(k_cache, v_cache, k_scale, v_scale)
     pdl = pdl_enabled(q.device)
     _decode_kernel[(B, kvh, num_splits)](
-        q, k_cache, v_cache, *_scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens, out,
-        part_acc, part_max, part_sum, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
-        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, VG=v_group(page), BLOCK_N=block_n,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, part_acc, part_max, part_sum,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_token_major(v_cache).stride(), stride_sb, stride_sh,
+        block_tables.stride(0),
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q), PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
@@ -367,18 +358,18 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     q: [T, H, D]; sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (int32 [B+1]) and sit at
     the last n_q_b positions of its context_lens[b] (int32 [B]) keys, all already in the cache; query i
     attends to keys at positions <= context_lens[b] - n_q_b + i. Covers plain, chunked and prefix-cached
-    prefill. k_cache, v_cache: [num_blocks, block_size, KVH, D] (an fp8 v_cache in groups,
-    attention.fp8_v_cache_shape); block_tables: int32 [B, max_blocks].
+    prefill. k_cache, v_cache: [num_blocks, block_size, KVH, D] (an fp8 v_cache [num_blocks, KVH, D,
+    block_size]); block_tables: int32 [B, max_blocks].
     k_scale, v_scale: [num_blocks, KVH, block_size] float32, given iff the cache is float8_e4m3fn.
     max_seqlen_q: max n_q_b (a host int). out: optional [T, H, D] destination. config: block_m, block_n,
     num_warps and num_stages override the defaults. Returns [T, H, D] in q.dtype.
     """
     precision = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out)
-    strides = _paged_strides(k_cache, v_cache, k_scale, block_tables)
-    return _launch_prefill(q, k_cache, v_cache, *_scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables,
-                           cu_seqlens_q, context_lens, strides, max_seqlen_q, scale, out, precision,
-                           page=k_cache.shape[1], kvh=k_cache.shape[2], fp8=k_cache.dtype == torch.float8_e4m3fn,
-                           **config)
+    k_scale, v_scale, stride_sb, stride_sh = _scale_args(k_cache, v_cache, k_scale, v_scale)
+    strides = (*k_cache.stride()[:3], *v_token_major(v_cache).stride(), stride_sb, stride_sh, block_tables.stride(0))
+    return _launch_prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, strides,
+                           max_seqlen_q, scale, out, precision, page=k_cache.shape[1], kvh=k_cache.shape[2],
+                           fp8=k_cache.dtype == torch.float8_e4m3fn, **config)
 
 
 def varlen_prefill_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale, *, cu_seqlens_k=None, seqs=None,
@@ -400,8 +391,7 @@ def varlen_prefill_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale, *, cu_s
     if cu_seqlens_k is None:
         assert k.shape[0] == q.shape[0], "without cu_seqlens_k the keys are the queries' own rows"
         cu_seqlens_k = cu_seqlens_q
-    # No blocks, scales or table; groups of one token (VG 1: token t at t * stride_vg).
-    strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(0), v.stride(1), 1, 0, 0, 0)
+    strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1), 1, 0, 0, 0)  # no blocks, scales, table
     return _launch_prefill(q, k, v, k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, strides, max_seqlen_q, scale,
                            out, _dot_precision(q), page=0, kvh=k.shape[1], fp8=False, paged=False, seqs=seqs,
                            **config)
@@ -410,8 +400,9 @@ def varlen_prefill_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale, *, cu_s
 def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, kv_strides, max_seqlen_q,
                     scale, out, precision, *, page, kvh, fp8, paged=True, seqs=None, block_m=None, block_n=None,
                     num_warps=None, num_stages=None):
-    """_prefill_kernel over K/V whose 11 strides (_paged_strides) the caller worked out, for sequences
-    seqs = (first, end) (default all); the tile defaults of _prefill_tile."""
+    """_prefill_kernel over K/V whose 10 strides (K's block, token, head; V's block, token, head, dim;
+    the scales' block, head; the table's row) the caller worked out, for sequences seqs = (first, end)
+    (default all); the tile defaults of _prefill_tile."""
     T, H, D = q.shape
     out = torch.empty_like(q) if out is None else out
     first, end = seqs or (0, cu_seqlens_q.shape[0] - 1)
@@ -424,8 +415,7 @@ def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, conte
     _prefill_kernel[grid](
         q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, out, first,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides,
-        G=H // kvh, D=D, PAGE=page, VG=v_group(page) if paged else 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=precision,
+        G=H // kvh, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
         FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q), PAGED=paged,
         num_warps=num_warps, num_stages=num_stages or default_stages,
     )
@@ -435,8 +425,8 @@ def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, conte
 @triton.jit
 def _dequantize_kernel(
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, cu_seqlens_k_ptr, k_out_ptr, v_out_ptr, first_seq,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vg, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh,
-    stride_bt, stride_ot, stride_oh, D: tl.constexpr, PAGE: tl.constexpr, VG: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
+    stride_ot, stride_oh, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (token tiles, KVH, sequences): BLOCK_N context tokens of one kv head of sequence
     first_seq + program_id(2), read from the paged fp8 cache, times their scales, into rows
@@ -451,8 +441,8 @@ def _dequantize_kernel(
         return
     k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
                                       block_tables_ptr + seq.to(tl.int64) * stride_bt, start, ctx, kv_head,
-                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vg, stride_vt, stride_vh,
-                                      stride_vd, stride_sb, stride_sh, D, PAGE, VG, BLOCK_N, True, True)
+                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                      stride_sb, stride_sh, D, PAGE, BLOCK_N, True, True)
     tok = start + tl.arange(0, BLOCK_N)
     rows = (k_start - tl.load(cu_seqlens_k_ptr + first_seq) + tok).to(tl.int64)
     offs = rows[:, None] * stride_ot + kv_head * stride_oh + tl.arange(0, D)[None, :]
@@ -492,8 +482,9 @@ def dequantize_paged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, cu_seq
     k_out, v_out = workspace
     _dequantize_kernel[(triton.cdiv(max_seqlen_k, block_n), kvh, end - first)](
         k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_k, k_out, v_out, first,
-        *_paged_strides(k_cache, v_cache, k_scale, block_tables), k_out.stride(0), k_out.stride(1), D=D, PAGE=page,
-        VG=v_group(page), BLOCK_N=block_n, num_warps=num_warps)
+        *k_cache.stride()[:3], *v_token_major(v_cache).stride(), k_scale.stride(0), k_scale.stride(1),
+        block_tables.stride(0), k_out.stride(0), k_out.stride(1), D=D, PAGE=page, BLOCK_N=block_n,
+        num_warps=num_warps)
 
 
 def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool, paged: bool) -> tuple[int, int, int]:
