@@ -25,9 +25,14 @@ def _generate(path, prompts, **options):
         return [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def test_cuda_graph_decode_equals_eager(tiny_bf16, prompts):
-    eager = _generate(tiny_bf16, prompts, enforce_eager=True)
-    graphs = _generate(tiny_bf16, prompts, enforce_eager=False, max_num_seqs=20)  # buckets 1,2,4,8,16,20
+@pytest.mark.parametrize("backend", ["flash_attn", "triton"])
+def test_cuda_graph_decode_equals_eager(tiny_bf16, prompts, backend):
+    """Graphs replay batches padded to their bucket (Triton: with the decode order of AttentionMetadata)."""
+    if backend == "flash_attn":
+        pytest.importorskip("flash_attn")
+    eager = _generate(tiny_bf16, prompts, enforce_eager=True, attention_backend=backend)
+    graphs = _generate(tiny_bf16, prompts, enforce_eager=False, max_num_seqs=20,  # buckets 1,2,4,8,16,20
+                       attention_backend=backend)
     assert graphs == eager
 
 

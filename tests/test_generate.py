@@ -132,9 +132,21 @@ def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_refe
     # On CPU this runs the project's Triton kernels under the interpreter.
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton",
              max_num_batched_tokens=40) as llm:
+        orders = []  # (context lengths, decode order) of each decode step
+        prepare = llm.model_runner.prepare_decode
+
+        def spy(seqs):
+            input_ids, positions, meta = prepare(seqs)
+            orders.append((meta.context_lens.tolist(), meta.decode_order.tolist()))
+            return input_ids, positions, meta
+
+        llm.model_runner.prepare_decode = spy
         outputs = llm.generate(prompts[:6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [ref[:8] for ref in hf_reference[:6]]
+    # The decode kernel took each step's rows longest context first (ties in row order), not in row order.
+    assert orders and all(order == sorted(range(len(lens)), key=lambda b: -lens[b]) for lens, order in orders)
+    assert any(order != sorted(order) for _, order in orders)
 
 
 def count_inflight_inputs(llm) -> list[tuple[int, int]]:

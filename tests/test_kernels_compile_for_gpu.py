@@ -16,11 +16,11 @@ import pytest
 
 # (module, kernel, pointer dtypes by parameter name, float parameters, constexprs) per configuration.
 BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "block_tables_ptr": "*i32",
-                  "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
+                  "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "order_ptr": "*i32"}
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
 # stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
-DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False, PDL=True,
-              stride_vd=1)
+DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False,
+              ORDERED=True, PDL=True, stride_vd=1)
 PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, PAGED=True,
                stride_vd=1)
 VARLEN = dict(PAGE=0, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages

@@ -126,6 +126,14 @@ def test_decode_tile_vs_page(block_size, block_n):
     check_decode([block_size * 2 + 1, 100, 1], block_size, 4, 2, 32, block_n=block_n, num_splits=2)
 
 
+@pytest.mark.parametrize("num_splits,fp8", [(1, False), (4, False), (None, True)])
+def test_decode_in_an_order(num_splits, fp8):
+    """Rows taken up in a given order (the engine's: longest context first) still write their own output."""
+    lens = [5, 300, 0, 33, 129, 33]
+    order = torch.tensor(sorted(range(len(lens)), key=lambda b: -lens[b]), dtype=torch.int32, device=DEVICE)
+    check_decode(lens, 16, 4, 2, 32, num_splits=num_splits, fp8=fp8, order=order)
+
+
 def test_decode_padding_rows_only():
     for num_splits in (1, 2):
         _, _, out, _ = run_decode([0, 0], 16, 4, 2, 16, num_splits=num_splits)

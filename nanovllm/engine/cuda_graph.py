@@ -29,6 +29,9 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # The Triton backend's decode order (AttentionMetadata.decode_order); padding rows keep their own place.
+        self.rows = torch.arange(n, dtype=torch.int32, device=device)
+        self.decode_order = self.rows.clone() if runner.config.attention_backend == "triton" else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -36,7 +39,8 @@ class DecodeGraphs:
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
-                                 context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs])
+                                 context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
+                                 decode_order=None if self.decode_order is None else self.decode_order[:bs])
 
     @torch.inference_mode()
     def _capture_all(self):
@@ -62,6 +66,9 @@ class DecodeGraphs:
         self.context_lens[:bs] = meta.context_lens
         self.context_lens[bs:graph_bs] = 0  # ...and read nothing from it
         self.block_tables[:bs, :meta.block_tables.size(1)] = meta.block_tables
+        if self.decode_order is not None:
+            self.decode_order[:bs] = meta.decode_order
+            self.decode_order[bs:graph_bs] = self.rows[bs:graph_bs]
         self.graphs[graph_bs].replay()
         return self.outputs[graph_bs][:bs]
 

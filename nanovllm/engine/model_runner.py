@@ -258,12 +258,15 @@ class ModelRunner:
         positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
         last_blocks = np.array([seq.block_table[-1] for seq in seqs], dtype=np.int64)
         slots = last_blocks * self.block_size + positions % self.block_size
+        context_lens = (positions + 1).astype(np.int32)
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self._to_device(slots),
-            context_lens=self._to_device((positions + 1).astype(np.int32)),
+            context_lens=self._to_device(context_lens),
             block_tables=self._to_device(self._block_tables(seqs)),
         )
+        if self.config.attention_backend == "triton":
+            meta.decode_order = self._to_device(np.argsort(-context_lens, kind="stable").astype(np.int32))
         input_ids = self._to_device(token_ids)
         inflight = np.flatnonzero(token_ids == PLACEHOLDER)
         if inflight.size:

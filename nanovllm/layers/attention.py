@@ -56,6 +56,9 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     prefix_cached: bool = False  # some sequence attends to KV computed in an earlier step
+    # Decode on the Triton backend: [num_seqs] int32, the rows longest context first, the order in which the
+    # decode kernel takes them up (a ragged batch then does not end on a few long rows).
+    decode_order: torch.Tensor | None = None
     # Prefill over an fp8 cache's prefix (Triton backend, triton_attention): [2, capacity, kv_heads, head_dim]
     # in the model dtype, and the runs of sequences whose contexts it holds at once (workspace_groups).
     dequant_workspace: torch.Tensor | None = None
@@ -280,7 +283,7 @@ def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: 
 
     if not meta.is_prefill:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                      k_scale=k_scale, v_scale=v_scale)
+                                      k_scale=k_scale, v_scale=v_scale, order=meta.decode_order)
     if not meta.prefix_cached:  # over the new K/V, as flash-attn; an fp8 cache's rounding then touches decode only
         return varlen_prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)
     if meta.dequant_groups:  # fp8 prefix: dequantized, so the faster 16-bit kernel attends

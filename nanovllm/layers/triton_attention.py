@@ -28,6 +28,8 @@ LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free for rows that
 # have seen no key yet (padding rows, empty splits). A constexpr: kernels may read no other globals.
 NEG_INF = tl.constexpr(-1.0e30)
+# Tokens of one 16-byte load of an fp8 V (tokens contiguous): its loads are masked by runs of this many.
+FP8_V_RUN = tl.constexpr(16)
 
 
 @triton.jit
@@ -40,10 +42,11 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
     Not PAGED: k_ptr, v_ptr point at the sequence's first token of plain [tokens, KVH, D] K/V (the block
     strides and table are not read).
 
-    16-bit tokens >= limit read 0. fp8 K/V loads are not masked: a mask that varies along V's contiguous
-    token axis would split them into single bytes. There tokens >= limit read whatever their slot
-    holds, from their page or block 0, never out of bounds: a finite value (an fp8 cache holds no NaN,
-    attention.py), which their masked logit and zero scale take out of the result."""
+    Tokens >= limit read 0, but in an fp8 V: its loads are masked by runs of FP8_V_RUN tokens, as a mask
+    that varied along V's contiguous token axis would split them into single bytes. The tokens past limit
+    in the last run read whatever their slot holds, from their page or block 0, never out of bounds: a
+    finite value (an fp8 cache holds no NaN, attention.py), which their masked logit and zero scale take
+    out of the result."""
     tok = start + tl.arange(0, BLOCK_N)
     mask = tok < limit
     if not PAGED:
@@ -59,12 +62,12 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
     d = tl.arange(0, D)[None, :]
     k_rows = blk * stride_kb + offset * stride_kt + kv_head * stride_kh  # [BLOCK_N] int64
     v_rows = blk * stride_vb + offset * stride_vt + kv_head * stride_vh
-    k_ptrs, v_ptrs = k_ptr + k_rows[:, None] + d, v_ptr + v_rows[:, None] + d * stride_vd
+    # The masks are constant along the contiguous axis (head_dim; an fp8 V's run of tokens): they cost nothing.
+    k = tl.load(k_ptr + k_rows[:, None] + d, mask=mask[:, None], other=0.0)
+    v_mask = mask
     if FP8:
-        k, v = tl.load(k_ptrs), tl.load(v_ptrs)
-    else:  # free: the mask is constant along head_dim, the contiguous axis
-        k = tl.load(k_ptrs, mask=mask[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
+        v_mask = (tok // FP8_V_RUN) * FP8_V_RUN < limit
+    v = tl.load(v_ptr + v_rows[:, None] + d * stride_vd, mask=v_mask[:, None], other=0.0)
     if FP8:  # scales [num_blocks, KVH, PAGE]
         scale_offs = blk * stride_sb + kv_head * stride_sh + offset
         k_scale = tl.load(k_scale_ptr + scale_offs, mask=mask, other=0.0)
@@ -109,18 +112,21 @@ def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, out_ptr, acc_ptr, m_ptr,
-    l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, order_ptr, out_ptr, acc_ptr,
+    m_ptr, l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
-    PDL: tl.constexpr,
+    ORDERED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid (B, KVH, NUM_SPLITS): the G query heads of one kv head over one split of the context."""
+    """Grid (B, KVH, NUM_SPLITS): the G query heads of one kv head over one split of the context, of
+    sequence order[program_id(0)] if ORDERED, else program_id(0)."""
     if PDL:  # launched while the KV store runs; read nothing before it has finished
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
+    if ORDERED:
+        seq = tl.load(order_ptr + seq)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
@@ -274,12 +280,17 @@ def _fp8_compute_dtype(q: torch.Tensor):
     return tl.float32 if q.dtype == torch.float32 else tl.float16
 
 
-def _scale_args(k_cache, v_cache, k_scale, v_scale) -> tuple:
-    """(k_scale, v_scale, stride_sb, stride_sh) kernel arguments (block and kv-head strides of the
-    [num_blocks, KVH, block_size] scales); without fp8, unused placeholders."""
-    if k_scale is None:
-        return k_cache, v_cache, 0, 0
-    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1)
+def _scale_ptrs(k_cache, v_cache, k_scale, v_scale) -> tuple:
+    """The k_scale, v_scale kernel arguments; without fp8, unused placeholders."""
+    return (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
+
+
+def _paged_strides(k_cache, v_cache, k_scale, block_tables) -> tuple[int, ...]:
+    """The 10 stride arguments of a paged cache (_load_kv): K's block, token, head; V's block, token, head,
+    dim (v_token_major); the [num_blocks, KVH, block_size] scales' block, head (0 without fp8); the block
+    table's row."""
+    scale_strides = (0, 0) if k_scale is None else k_scale.stride()[:2]
+    return (*k_cache.stride()[:3], *v_token_major(v_cache).stride(), *scale_strides, block_tables.stride(0))
 
 
 def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -304,7 +315,7 @@ def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None, v_scale=None,
-                           out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None):
+                           order=None, out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None):
     """Single-token attention of each sequence over its paged KV cache.
 
     q: [B, H, D], the query at position context_lens[b] - 1 (its K/V already in the cache).
@@ -312,6 +323,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     block_tables: int32 [B, max_blocks]; context_lens: int32 [B] (0 = padding row: output zeros, no KV
     read). Returns [B, H, D] in q.dtype.
     k_scale, v_scale: [num_blocks, KVH, block_size] float32, given iff the cache is float8_e4m3fn.
+    order: optional int32 [B], a permutation of the rows: the order in which the GPU takes them up. Longest
+    context first (AttentionMetadata.decode_order), a ragged batch does not end on a few long rows.
     out: optional [B, H, D] destination. num_splits (a power of two), block_n, num_warps and
     num_stages override the launch heuristics (_decode_num_splits, _decode_tile).
     """
@@ -334,15 +347,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
     else:
         part_max = part_sum = part_acc = out  # unused
-    k_scale, v_scale, stride_sb, stride_sh = _scale_args(k_cache, v_cache, k_scale, v_scale)
+    strides = _paged_strides(k_cache, v_cache, k_scale, block_tables)
     pdl = pdl_enabled(q.device)
     _decode_kernel[(B, kvh, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, part_acc, part_max, part_sum,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_token_major(v_cache).stride(), stride_sb, stride_sh,
-        block_tables.stride(0),
+        q, k_cache, v_cache, *_scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens,
+        context_lens if order is None else order, out, part_acc, part_max, part_sum, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q), PDL=pdl,
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=_fp8_compute_dtype(q),
+        ORDERED=order is not None, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
@@ -365,11 +378,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     num_warps and num_stages override the defaults. Returns [T, H, D] in q.dtype.
     """
     precision = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out)
-    k_scale, v_scale, stride_sb, stride_sh = _scale_args(k_cache, v_cache, k_scale, v_scale)
-    strides = (*k_cache.stride()[:3], *v_token_major(v_cache).stride(), stride_sb, stride_sh, block_tables.stride(0))
-    return _launch_prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, strides,
-                           max_seqlen_q, scale, out, precision, page=k_cache.shape[1], kvh=k_cache.shape[2],
-                           fp8=k_cache.dtype == torch.float8_e4m3fn, **config)
+    strides = _paged_strides(k_cache, v_cache, k_scale, block_tables)
+    return _launch_prefill(q, k_cache, v_cache, *_scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables,
+                           cu_seqlens_q, context_lens, strides, max_seqlen_q, scale, out, precision,
+                           page=k_cache.shape[1], kvh=k_cache.shape[2], fp8=k_cache.dtype == torch.float8_e4m3fn,
+                           **config)
 
 
 def varlen_prefill_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale, *, cu_seqlens_k=None, seqs=None,
@@ -400,9 +413,8 @@ def varlen_prefill_attention(q, k, v, cu_seqlens_q, max_seqlen_q, scale, *, cu_s
 def _launch_prefill(q, k, v, k_scale, v_scale, block_tables, cu_seqlens_q, context_lens, kv_strides, max_seqlen_q,
                     scale, out, precision, *, page, kvh, fp8, paged=True, seqs=None, block_m=None, block_n=None,
                     num_warps=None, num_stages=None):
-    """_prefill_kernel over K/V whose 10 strides (K's block, token, head; V's block, token, head, dim;
-    the scales' block, head; the table's row) the caller worked out, for sequences seqs = (first, end)
-    (default all); the tile defaults of _prefill_tile."""
+    """_prefill_kernel over K/V whose 10 strides (_paged_strides) the caller worked out, for sequences
+    seqs = (first, end) (default all); the tile defaults of _prefill_tile."""
     T, H, D = q.shape
     out = torch.empty_like(q) if out is None else out
     first, end = seqs or (0, cu_seqlens_q.shape[0] - 1)
@@ -482,9 +494,8 @@ def dequantize_paged_kv(k_cache, v_cache, k_scale, v_scale, block_tables, cu_seq
     k_out, v_out = workspace
     _dequantize_kernel[(triton.cdiv(max_seqlen_k, block_n), kvh, end - first)](
         k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_k, k_out, v_out, first,
-        *k_cache.stride()[:3], *v_token_major(v_cache).stride(), k_scale.stride(0), k_scale.stride(1),
-        block_tables.stride(0), k_out.stride(0), k_out.stride(1), D=D, PAGE=page, BLOCK_N=block_n,
-        num_warps=num_warps)
+        *_paged_strides(k_cache, v_cache, k_scale, block_tables), k_out.stride(0), k_out.stride(1), D=D, PAGE=page,
+        BLOCK_N=block_n, num_warps=num_warps)
 
 
 def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool, paged: bool) -> tuple[int, int, int]:
