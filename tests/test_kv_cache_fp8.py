@@ -46,7 +46,7 @@ def test_fp8_pool_holds_about_twice_the_tokens(tiny_model, tiny_model_head_dim_1
 
 
 def test_fp8_pool_starts_without_nan(tiny_model, monkeypatch):
-    """The Triton kernels read an fp8 cache's stale slots unmasked (attention.py), so the pool must hold
+    """The Triton kernels read some of an fp8 cache's stale slots (attention.py), so the pool must hold
     no NaN from the start, whatever torch.empty returns: here, NaN."""
     empty = torch.empty
 

@@ -14,8 +14,9 @@ saturates, whatever their magnitude. Only the Triton and torch backends read suc
 
 An fp8 cache holds only finite values: the pool starts zeroed, and the stores write an element that
 is not a number (possible only from non-finite activations, which poison their own token anyway) as
-0. The Triton kernels rely on it: their fp8 K/V loads are not masked (below), so they read stale
-slots past a sequence's context, whose probability is 0, and 0 * NaN would not be 0.
+0. The Triton kernels rely on it: their fp8 V loads are masked only by runs of 16 tokens (a 16-byte
+load each, below), so they read the stale slots in the last run past a sequence's context, whose
+probability is 0, and 0 * NaN would not be 0.
 
 An fp8 V cache is laid out [num_blocks, num_kv_heads, head_dim, block_size]: tokens contiguous. The
 attention kernels' P @ V product reduces over tokens, and the tensor cores read 8-bit operands only
