@@ -14,7 +14,7 @@ import functools
 import torch
 from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.layers.qk_norm_rope import qk_norm_rope
+from nanovllm.layers.qk_norm_rope import MANY_TOKENS, qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
 
 H, KVH, D, PAGE, BLOCKS = 16, 8, 128, 256, 4096
@@ -35,18 +35,21 @@ def caches(fp8: bool) -> dict:
 def main():
     rope = RotaryEmbedding(default_inv_freq(D, 1e6), 4096).to(DEV)
     weights = [torch.randn(D, dtype=DTYPE, device=DEV) for _ in range(2)]
-    emit(f"{torch.cuda.get_device_name()}: qk_norm_rope, H={H} KVH={KVH} D={D}, us per call")
-    emit(f"{'tokens':>6} {'no store':>9} {'bf16':>9} {'fp8':>9}")
-    for tokens in (1, 8, 64, 128, 256):
+    emit(f"{torch.cuda.get_device_name()}: qk_norm_rope, H={H} KVH={KVH} D={D}, us per call; h1 / h8: one / "
+         f"eight heads per program (default: h1 below {MANY_TOKENS} tokens)")
+    emit(f"{'tokens':>6} " + " ".join(f"{cache + ' ' + h:>11}" for cache in ("no store", "bf16", "fp8")
+                                      for h in ("h1", "h8")))
+    for tokens in (1, 8, 16, 32, 64, 128, 256, 1024):
         qkv = torch.randn(tokens, (H + 2 * KVH) * D, dtype=DTYPE, device=DEV)
         positions = torch.randint(0, 4096, (tokens,), device=DEV)
         slots = torch.randperm(BLOCKS, device=DEV)[:tokens] * PAGE + torch.randint(0, PAGE, (tokens,), device=DEV)
         row = [f"{tokens:>6}"]
         for store in (None, False, True):
             kv = {} if store is None else dict(slot_mapping=slots, **caches(store))
-            call = functools.partial(qk_norm_rope, qkv, positions, rope.cos_sin_cache, H, KVH, D, *weights, **kv)
-            us = bench(call) * 1e3
-            row.append(f"{us:9.2f}")
+            for heads in (1, 8):
+                call = functools.partial(qk_norm_rope, qkv, positions, rope.cos_sin_cache, H, KVH, D, *weights,
+                                         heads_per_program=heads, **kv)
+                row.append(f"{bench(call) * 1e3:11.2f}")
         emit(" ".join(row))
     save_report("bench_qk_norm_rope.txt")
 

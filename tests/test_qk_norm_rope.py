@@ -19,7 +19,7 @@ import torch
 from nanovllm import LLM
 from nanovllm.layers.attention import store_kvcache_torch, store_kvcache_triton
 from nanovllm.layers.layernorm import rms_norm
-from nanovllm.layers.qk_norm_rope import qk_norm_rope
+from nanovllm.layers.qk_norm_rope import _heads_per_program, qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rope, default_inv_freq
 from nanovllm.utils.tiny_model import write_tiny_llama
 
@@ -73,9 +73,10 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, norm: bool):
         assert head_ulps(out, ref) <= 2
 
 
-def check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device=DEVICE):
+def check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device=DEVICE, heads_per_program=None):
     inputs = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device)
-    q, k = qk_norm_rope(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:], eps=EPS)
+    q, k = qk_norm_rope(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:], eps=EPS,
+                        heads_per_program=heads_per_program)
     ref_q, ref_k = reference(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
     assert_matches(q, ref_q, norm)
     assert_matches(k, ref_k, norm)
@@ -108,7 +109,8 @@ def reference_stores(fp8: bool, device: str) -> list:
     return [store_kvcache_triton] if fp8 and device == "cuda" else [store_kvcache_torch, store_kvcache_triton]
 
 
-def check_store(num_tokens, num_heads, num_kv_heads, head_dim, dtype, block_size, fp8, norm=True, device=DEVICE):
+def check_store(num_tokens, num_heads, num_kv_heads, head_dim, dtype, block_size, fp8, norm=True, device=DEVICE,
+                heads_per_program=None):
     """The cache holds exactly the KV store's writes of the returned k and of v (slot -1 rows and the
     unused slots stay NaN); q and k are as without the store."""
     inputs = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device)
@@ -117,7 +119,7 @@ def check_store(num_tokens, num_heads, num_kv_heads, head_dim, dtype, block_size
     cache_args = (num_blocks, block_size, num_kv_heads, head_dim, dtype, fp8, device)
     cache = nan_cache(*cache_args)
     args = (*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
-    q, k = qk_norm_rope(*args, eps=EPS, slot_mapping=slots, **cache)
+    q, k = qk_norm_rope(*args, eps=EPS, slot_mapping=slots, heads_per_program=heads_per_program, **cache)
     assert all(map(torch.equal, (q, k), qk_norm_rope(*args, eps=EPS)))
     v = inputs[0][:, -num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
     for store in reference_stores(fp8, device):
@@ -141,14 +143,23 @@ def test_one_token(head_dim, dtype, norm):
 @pytest.mark.parametrize("head_dim, dtype, norm", [
     (128, torch.float32, True), (128, torch.bfloat16, True), (64, torch.float16, True), (64, torch.bfloat16, False),
 ], ids=str)
-def test_many_tokens(head_dim, dtype, norm):
-    check(37, 4, 2, head_dim, dtype, norm)
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_many_tokens(head_dim, dtype, norm, heads_per_program):
+    check(37, 4, 2, head_dim, dtype, norm, heads_per_program=heads_per_program)
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,heads", [
+    (63, 16, 8, 1), (64, 16, 8, 8), (256, 32, 16, 8), (256, 14, 2, 2), (256, 12, 4, 4), (1000, 7, 1, 1),
+])
+def test_heads_per_program(num_tokens, num_heads, num_kv_heads, heads):
+    assert _heads_per_program(num_tokens, num_heads, num_kv_heads) == heads
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model_dtype_cache", "fp8_cache"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_stores_k_and_v_as_the_kv_store(dtype, fp8):
-    check_store(37, 4, 2, 64, dtype, 16, fp8)
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_stores_k_and_v_as_the_kv_store(dtype, fp8, heads_per_program):
+    check_store(37, 4, 2, 64, dtype, 16, fp8, heads_per_program=heads_per_program)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model_dtype_cache", "fp8_cache"])

@@ -16,20 +16,22 @@ from nanovllm.utils.device import pdl_enabled
 
 
 @triton.jit
-def _store_head(x1, x2, cache_ptr, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
-                PAGE: tl.constexpr, FP8: tl.constexpr, IS_V: tl.constexpr):
-    """Writes KV head `head` of one token, as its halves x1, x2 [D // 2], to cache slot `slot`; into an fp8
-    cache quantized as the KV store does (a scale per token and head: this one head's)."""
-    half = tl.arange(0, D // 2)
+def _store_heads(x1, x2, cache_ptr, scale_ptr, slot, first_head, HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                 D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, IS_V: tl.constexpr):
+    """Writes KV heads first_head.. first_head + HEADS - 1 of one token, as their halves x1, x2 [HEADS, D // 2],
+    to cache slot `slot`; into an fp8 cache quantized as the KV store does (a scale per token and head)."""
+    half = tl.arange(0, D // 2)[None, :]
+    heads = first_head + tl.arange(0, HEADS)
     if FP8:
         x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-        scale = store_fp8_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), scale_ptr, slot, head,
-                                NUM_KV_HEADS, PAGE)
+        amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+        scale = store_fp8_scale(amax, scale_ptr, slot, heads, NUM_KV_HEADS, PAGE)[:, None]
         x1, x2 = to_fp8(x1 / scale), to_fp8(x2 / scale)
-    if FP8 and IS_V:  # [num_blocks, kv_heads, D, PAGE]: the head's elements are PAGE apart
-        base, step = ((slot // PAGE) * NUM_KV_HEADS + head) * (D * PAGE) + slot % PAGE, PAGE
+    heads = heads[:, None]
+    if FP8 and IS_V:  # [num_blocks, kv_heads, D, PAGE]: a head's elements are PAGE apart
+        base, step = ((slot // PAGE) * NUM_KV_HEADS + heads) * (D * PAGE) + slot % PAGE, PAGE
     else:
-        base, step = (slot * NUM_KV_HEADS + head) * D, 1
+        base, step = (slot * NUM_KV_HEADS + heads) * D, 1
     tl.store(cache_ptr + base + half * step, x1)
     tl.store(cache_ptr + base + (half + D // 2) * step, x2)
 
@@ -38,25 +40,28 @@ def _store_head(x1, x2, cache_ptr, scale_ptr, slot, head, NUM_KV_HEADS: tl.const
 def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride_cs, q_ptr, k_ptr,
                          q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
                          k_scale_ptr, v_scale_ptr,
-                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
                          HAS_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
                          PDL: tl.constexpr):
     if PDL:  # launched while the qkv projection runs: wait for it before reading anything
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)  # the q heads, then the k heads, then (with STORE) the v heads
-    half = tl.arange(0, D // 2)
-    # The heads lie in this order in a qkv row too, so `head` indexes all of them.
-    src = qkv_ptr + token * stride_qkv + head * D + half
-    x1 = tl.load(src)
+    # HEADS consecutive heads: of the q heads, then the k heads, then (with STORE) the v heads. HEADS divides
+    # NUM_HEADS and NUM_KV_HEADS, so they are all of one kind.
+    head = tl.program_id(1) * HEADS
+    heads = head + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
+    half = tl.arange(0, D // 2)[None, :]
+    # The heads lie in this order in a qkv row too, so `heads` indexes all of them.
+    src = qkv_ptr + token * stride_qkv + heads * D + half
+    x1 = tl.load(src)  # [HEADS, D // 2]
     x2 = tl.load(src + D // 2)
     if STORE:
         slot = tl.load(slot_mapping_ptr + token)  # -1: write nothing
-        if head >= NUM_HEADS + NUM_KV_HEADS:  # a v head: stored unchanged
+        if head >= NUM_HEADS + NUM_KV_HEADS:  # v heads: stored unchanged
             if slot != -1:
-                _store_head(x1, x2, v_cache_ptr, v_scale_ptr, slot, head - NUM_HEADS - NUM_KV_HEADS, NUM_KV_HEADS,
-                            D, PAGE, FP8, IS_V=True)
+                _store_heads(x1, x2, v_cache_ptr, v_scale_ptr, slot, head - NUM_HEADS - NUM_KV_HEADS, HEADS,
+                             NUM_KV_HEADS, D, PAGE, FP8, IS_V=True)
             return
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -64,7 +69,7 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride
     if HAS_NORM:
         # rms_norm: x * rsqrt(mean(x^2) + eps) in float32, rounded to dtype, then weight * x in dtype
         # (the float32 product of two 16-bit values is exact, so one rounding gives torch's result).
-        mean_sq = tl.sum(x1 * x1 + x2 * x2, axis=0) / D
+        mean_sq = tl.sum(x1 * x1 + x2 * x2, axis=1)[:, None] / D
         inv_rms = tl.math.rsqrt(mean_sq + eps)
         if is_q:
             w_ptr = q_weight_ptr
@@ -81,23 +86,23 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride
     y1 = (x1 * cos - x2 * sin).to(dtype)
     y2 = (x2 * cos + x1 * sin).to(dtype)
     if is_q:
-        dst = q_ptr + (token * NUM_HEADS + head) * D + half
+        dst = q_ptr + (token * NUM_HEADS + heads) * D + half
     else:
-        dst = k_ptr + (token * NUM_KV_HEADS + head - NUM_HEADS) * D + half
+        dst = k_ptr + (token * NUM_KV_HEADS + heads - NUM_HEADS) * D + half
     tl.store(dst, y1)
     tl.store(dst + D // 2, y2)
     if STORE:
         if not is_q and slot != -1:
-            _store_head(y1, y2, k_cache_ptr, k_scale_ptr, slot, head - NUM_HEADS, NUM_KV_HEADS, D, PAGE, FP8,
-                        IS_V=False)
+            _store_heads(y1, y2, k_cache_ptr, k_scale_ptr, slot, head - NUM_HEADS, HEADS, NUM_KV_HEADS, D, PAGE,
+                         FP8, IS_V=False)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None = None,
                  k_weight: torch.Tensor | None = None, eps: float = 1e-6, slot_mapping: torch.Tensor | None = None,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim], new contiguous tensors, from the qkv
     projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]: each head RMS-normed with
     q_weight / k_weight (when given; None for RoPE only), then rotated by RoPE at `positions` [T].
@@ -107,8 +112,9 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     (int64 [T]; -1: nowhere), as Attention's store would: into an fp8 cache quantized, the scales in
     k_scale, v_scale. Without a cache nothing is stored.
 
-    One program per (token, q or k or, when storing, v head) reads its head once (and the token's cos/sin
-    row) and writes the result; no host sync, so it is CUDA-graph capturable.
+    One program per token and heads_per_program heads of one kind (q, k or, when storing, v; default:
+    _heads_per_program) reads them once (and the token's cos/sin row) and writes the result; no host sync,
+    so it is CUDA-graph capturable.
     """
     num_tokens = qkv.shape[0]
     assert head_dim & (head_dim - 1) == 0, f"head_dim={head_dim} is not a power of two"
@@ -127,15 +133,32 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
         assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
     q = qkv.new_empty(num_tokens, num_heads, head_dim)
     k = qkv.new_empty(num_tokens, num_kv_heads, head_dim)
-    grid = (num_tokens, num_heads + num_kv_heads + (num_kv_heads if store else 0))
+    heads = heads_per_program or _heads_per_program(num_tokens, num_heads, num_kv_heads)
+    assert num_heads % heads == 0 and num_kv_heads % heads == 0 and heads & (heads - 1) == 0
+    grid = (num_tokens, (num_heads + num_kv_heads + (num_kv_heads if store else 0)) // heads)
     pdl = pdl_enabled(qkv.device)
     _qk_norm_rope_kernel[grid](
         qkv, qkv.stride(0), positions, cos_sin_cache, cos_sin_cache.stride(0), q, k, q_weight, k_weight, eps,
         slot_mapping, k_cache, v_cache, k_scale, v_scale,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, HAS_NORM=has_norm, STORE=store,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, HEADS=heads, HAS_NORM=has_norm, STORE=store,
         PAGE=k_cache.size(1) if store else 1, FP8=fp8, PDL=pdl, launch_pdl=pdl,
-        # One warp per head (32 or 64 elements a half): the sum of squares needs no cross-warp step.
+        # One warp per program: the sums of squares need no cross-warp step.
         num_warps=1,
         # No FMA contraction: x1 * cos - x2 * sin rounds each product as torch does.
         enable_fp_fusion=False)
     return q, k
+
+
+# From this many tokens a program takes several heads (_heads_per_program).
+MANY_TOKENS = 64
+
+
+def _heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:
+    """One head per program for a few tokens, where latency rules; from MANY_TOKENS on, the largest power of
+    two up to 8 dividing both head counts: fewer programs, each with more work."""
+    if num_tokens < MANY_TOKENS:
+        return 1
+    heads = 8
+    while num_heads % heads or num_kv_heads % heads:
+        heads //= 2
+    return heads
