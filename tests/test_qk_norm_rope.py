@@ -112,7 +112,7 @@ def reference_stores(fp8: bool, device: str) -> list:
 def check_store(num_tokens, num_heads, num_kv_heads, head_dim, dtype, block_size, fp8, norm=True, device=DEVICE,
                 heads_per_program=None):
     """The cache holds exactly the KV store's writes of the returned k and of v (slot -1 rows and the
-    unused slots stay NaN); q and k are as without the store."""
+    unused slots stay NaN); q and k are within the bounds of the kernel without the store."""
     inputs = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device)
     num_blocks = (num_tokens + block_size - 1) // block_size + 2
     slots = make_slots(num_tokens, num_blocks * block_size, device)
@@ -120,7 +120,11 @@ def check_store(num_tokens, num_heads, num_kv_heads, head_dim, dtype, block_size
     cache = nan_cache(*cache_args)
     args = (*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
     q, k = qk_norm_rope(*args, eps=EPS, slot_mapping=slots, heads_per_program=heads_per_program, **cache)
-    assert all(map(torch.equal, (q, k), qk_norm_rope(*args, eps=EPS)))
+    # As accurate as without the store. Not bit-equal to it: the store changes the layout Triton gives the
+    # heads, hence the order in which a head's sum of squares is reduced (H200, BENCHMARKS.md, tenth session).
+    ref_q, ref_k = reference(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
+    assert_matches(q, ref_q, norm)
+    assert_matches(k, ref_k, norm)
     v = inputs[0][:, -num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
     for store in reference_stores(fp8, device):
         expected = nan_cache(*cache_args)
