@@ -26,10 +26,11 @@ PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf
 VARLEN = dict(PAGE=0, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages
 FP8_V = dict(FP8=True, stride_vd=None, stride_vt=1)  # merged into a configuration: None drops a key
 STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
-QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
+QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "slot_mapping_ptr": "*i64"}  # k/v_scale_ptr: *fp32
-QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HEADS=8, HAS_NORM=True, STORE=False, PAGE=256,
-                               FP8=False, PDL=True)
+QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HEADS=8, QKV_SPLITS=0, HAS_NORM=True,
+                               STORE=False, PAGE=256, FP8=False, PDL=True)
+NORM_POINTERS = {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
 SEARCH = {"logits_ptr": "*bf16", "active_ptr": "*i8", "lo_ptr": "*i32", "arrivals_ptr": "*i32"}
 SEARCH_SIZES = dict(NUM_BUCKETS=16, NUM_BINS=32, BLOCK=512)
 
@@ -90,14 +91,17 @@ def configurations():
         "skinny split-k reduce": ("nanovllm.layers.skinny_gemm", "_split_k_reduce_kernel",
                                   {"b_ptr": "*bf16", "y_ptr": "*bf16"}, [],
                                   dict(HAS_BIAS=True, BLOCK=1024, SPLIT_K=4, PDL=True)),
-        "rms norm": ("nanovllm.layers.layernorm", "_rms_norm_kernel",
-                     {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}, ["eps"],
-                     dict(HAS_RESIDUAL=True, BLOCK=1024, PDL=True)),
-        "rms norm, no residual": ("nanovllm.layers.layernorm", "_rms_norm_kernel",
-                                  {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")},
-                                  ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096, PDL=False)),
+        "rms norm": ("nanovllm.layers.layernorm", "_rms_norm_kernel", NORM_POINTERS, ["eps"],
+                     dict(X_SPLITS=0, HAS_RESIDUAL=True, BLOCK=1024, PDL=True)),
+        "rms norm, no residual": ("nanovllm.layers.layernorm", "_rms_norm_kernel", NORM_POINTERS, ["eps"],
+                                  dict(X_SPLITS=0, HAS_RESIDUAL=False, BLOCK=4096, PDL=False)),
+        "rms norm, split-k sum": ("nanovllm.layers.layernorm", "_rms_norm_kernel", {**NORM_POINTERS, "x_ptr": "*fp32"},
+                                  ["eps"], dict(X_SPLITS=4, HAS_RESIDUAL=True, BLOCK=1024, PDL=True)),
         "silu and mul": ("nanovllm.layers.activation", "_silu_and_mul_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16"},
-                         [], dict(BLOCK=1024, PDL=True)),
+                         [], dict(X_SPLITS=0, BLOCK=1024, PDL=True)),
+        "silu and mul, split-k sum": ("nanovllm.layers.activation", "_silu_and_mul_kernel",
+                                      {"x_ptr": "*fp32", "out_ptr": "*bf16"}, [],
+                                      dict(X_SPLITS=2, BLOCK=1024, PDL=True)),
         "q/k norm + rope": (qk_norm_rope, "_qk_norm_rope_kernel", QK_NORM_ROPE, ["eps"], QK_NORM_ROPE_CONSTEXPRS),
         "q/k norm + rope + store": (qk_norm_rope, "_qk_norm_rope_kernel",
                                     {**QK_NORM_ROPE, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}, ["eps"],
@@ -105,6 +109,11 @@ def configurations():
         "q/k norm + rope + fp8 store": (qk_norm_rope, "_qk_norm_rope_kernel",
                                         {**QK_NORM_ROPE, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"},
                                         ["eps"], {**QK_NORM_ROPE_CONSTEXPRS, "STORE": True, "FP8": True}),
+        "q/k norm + rope + fp8 store, split-k sum": (qk_norm_rope, "_qk_norm_rope_kernel",
+                                                     {**QK_NORM_ROPE, "qkv_ptr": "*fp32", "k_cache_ptr": "*fp8e4nv",
+                                                      "v_cache_ptr": "*fp8e4nv"}, ["eps"],
+                                                     {**QK_NORM_ROPE_CONSTEXPRS, "HEADS": 1, "QKV_SPLITS": 2,
+                                                      "STORE": True, "FP8": True}),
     }
 
 

@@ -12,6 +12,7 @@ import torch
 
 from nanovllm.layers.activation import SiluAndMul, silu_and_mul, silu_and_mul_triton
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm, rms_norm_triton
+from nanovllm.layers.skinny_gemm import SplitKSum, summed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: under the interpreter (conftest)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -64,6 +65,24 @@ def test_silu_and_mul_matches_torch(rows, n):
     assert (out != expected).float().mean() <= 0.01
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernels_sum_split_k_partials(splits):
+    """Given a skinny GEMM's split-K partials (SplitKSum), the kernels return exactly what they do given
+    the sum; RMSNorm's torch path (another weight dtype) sums them first."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(splits)
+    partial = SplitKSum(torch.randn(splits, 3, 1000, generator=gen).to(DEVICE), dtype)
+    x = partial.sum()
+    _, residual, weight = inputs(3, 1000, dtype)
+    assert all(map(torch.equal, rms_norm_triton(partial, residual, weight, 1e-6),
+                   rms_norm_triton(x, residual, weight, 1e-6)))
+    assert torch.equal(rms_norm_triton(partial, None, weight, 1e-6), rms_norm_triton(x, None, weight, 1e-6))
+    gate_up = SplitKSum(torch.randn(splits, 3, 3000, generator=gen).to(DEVICE), dtype)
+    assert torch.equal(silu_and_mul_triton(gate_up), silu_and_mul_triton(gate_up.sum()))
+    norm = RMSNorm(1000).to(DEVICE)  # float32 weight: not the kernel's case
+    assert all(map(torch.equal, norm(partial, residual), add_rms_norm(x, residual, norm.weight, norm.eps)))
+
+
 def test_modules_use_torch_on_cpu():
     """On CPU the modules run the torch reference exactly (the CPU tests compare it with transformers)."""
     x, residual, weight = inputs(3, 64, torch.float32, seed=1)
@@ -92,7 +111,8 @@ def test_modules_use_the_kernels_on_cuda(monkeypatch):
 def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
     """A decode layer's chain of Triton kernels (norm, skinny GEMMs, SiLU, decode attention aside),
     replayed from a CUDA graph, gives the same bits with PDL (kernels overlapping the one before) as
-    without: no kernel reads its input before the kernel writing it has finished."""
+    without, and with the GEMMs' split-K partials summed by the next kernel: no kernel reads its input
+    before the kernel writing it has finished."""
     from nanovllm.layers.skinny_gemm import skinny_linear
 
     gen = torch.Generator().manual_seed(0)
@@ -101,21 +121,23 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
     down_w = (torch.randn(1024, 3072, generator=gen) / 55).to(DEVICE, torch.bfloat16)
     norm = RMSNorm(1024).to(DEVICE, torch.bfloat16)
 
-    def layers():
+    def layers(defer_sum: bool):
         h, res = x, residual
         for _ in range(8):
             normed, res = norm(h, res)
-            h = skinny_linear(silu_and_mul_triton(skinny_linear(normed, gate_up_w)), down_w)
-        return h, res
+            gate_up = skinny_linear(normed, gate_up_w, defer_sum=defer_sum)
+            h = skinny_linear(silu_and_mul_triton(gate_up), down_w, defer_sum=defer_sum)
+        return summed(h), res
 
     results = {}
-    for pdl in ("0", "1"):
+    for pdl, defer_sum in (("0", False), ("1", False), ("1", True)):
         monkeypatch.setenv("NANOVLLM_PDL", pdl)
-        layers()  # compile outside the capture
+        layers(defer_sum)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = layers()
+            out = layers(defer_sum)
         graph.replay()
         torch.cuda.synchronize()
-        results[pdl] = [t.clone() for t in out]
-    assert all(torch.equal(a, b) for a, b in zip(results["0"], results["1"]))
+        results[pdl, defer_sum] = [t.clone() for t in out]
+    expected = results["0", False]
+    assert all(all(map(torch.equal, expected, result)) for result in results.values())

@@ -21,6 +21,7 @@ from nanovllm.layers.attention import store_kvcache_torch, store_kvcache_triton
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.qk_norm_rope import _heads_per_program, qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rope, default_inv_freq
+from nanovllm.layers.skinny_gemm import SplitKSum
 from nanovllm.utils.tiny_model import write_tiny_llama
 
 MAX_POSITION = 40960
@@ -75,11 +76,14 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, norm: bool):
 
 def check(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device=DEVICE, heads_per_program=None):
     inputs = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device)
-    q, k = qk_norm_rope(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:], eps=EPS,
-                        heads_per_program=heads_per_program)
+    q, k, v = qk_norm_rope(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:], eps=EPS,
+                           heads_per_program=heads_per_program)
     ref_q, ref_k = reference(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
     assert_matches(q, ref_q, norm)
     assert_matches(k, ref_k, norm)
+    qkv = inputs[0]
+    assert v.data_ptr() == qkv[:, -num_kv_heads * head_dim:].data_ptr()  # a view of qkv's v heads
+    assert torch.equal(v, qkv[:, -num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim))
 
 
 def make_slots(num_tokens, num_slots, device=DEVICE, seed=0) -> torch.Tensor:
@@ -119,7 +123,7 @@ def check_store(num_tokens, num_heads, num_kv_heads, head_dim, dtype, block_size
     cache_args = (num_blocks, block_size, num_kv_heads, head_dim, dtype, fp8, device)
     cache = nan_cache(*cache_args)
     args = (*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
-    q, k = qk_norm_rope(*args, eps=EPS, slot_mapping=slots, heads_per_program=heads_per_program, **cache)
+    q, k, _ = qk_norm_rope(*args, eps=EPS, slot_mapping=slots, heads_per_program=heads_per_program, **cache)
     # As accurate as without the store. Not bit-equal to it: the store changes the layout Triton gives the
     # heads, hence the order in which a head's sum of squares is reduced (H200, BENCHMARKS.md, tenth session).
     ref_q, ref_k = reference(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
@@ -176,6 +180,35 @@ def test_stores_k_and_v_with_rope_only():
     check_store(37, 4, 2, 128, torch.bfloat16, 16, fp8=True, norm=False)
 
 
+def check_split_k_sum(num_tokens, num_heads, num_kv_heads, head_dim, splits, fp8, device=DEVICE):
+    """Given a skinny GEMM's split-K partials (SplitKSum), the kernel returns and stores exactly what it
+    does given their sum; v is then a new tensor."""
+    _, positions, cos_sin_cache, q_weight, k_weight = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim,
+                                                                  torch.bfloat16, True, device)
+    gen = torch.Generator().manual_seed(1)
+    parts = torch.randn(splits, num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(device)
+    partial, block_size = SplitKSum(parts, torch.bfloat16), 16
+    qkv = partial.sum()
+    num_blocks = (num_tokens + block_size - 1) // block_size + 2
+    slots = make_slots(num_tokens, num_blocks * block_size, device)
+    caches = [nan_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.bfloat16, fp8, device) for _ in range(2)]
+    args = (positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_weight, k_weight, EPS, slots)
+    out = qk_norm_rope(partial, *args, **caches[0])
+    expected = qk_norm_rope(qkv, *args, **caches[1])
+    assert all(map(torch.equal, out, expected))
+    assert out[2].is_contiguous() and out[2].data_ptr() != qkv.data_ptr()
+    for name, cache in caches[0].items():
+        torch.testing.assert_close(cache.float(), caches[1][name].float(), rtol=0, atol=0, equal_nan=True)
+    # Without a cache (the memory-profiling run) too.
+    assert all(map(torch.equal, qk_norm_rope(partial, *args[:-1]), qk_norm_rope(qkv, *args[:-1])))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model_dtype_cache", "fp8_cache"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_split_k_sum_as_qkv(splits, fp8):
+    check_split_k_sum(5, 4, 2, 64, splits, fp8)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_decoder_attention_fused_path_matches_torch_path(family, tiny_model, tmp_path):
     """DecoderAttention.norm_rope hands the kernel its layer's head counts, norm weights, eps, cos/sin
@@ -203,8 +236,9 @@ def test_decoder_attention_fused_path_matches_torch_path(family, tiny_model, tmp
         attn.attn.k_cache = torch.tensor([])  # before the pool exists (memory profiling): nothing to store
         assert attn.attn.kv_cache_views() == {}
         assert all(map(torch.equal, fused, attn.norm_rope(positions, qkv, True, slots)))
-    for out, ref in zip(fused, torch_path):
+    for out, ref in zip(fused[:2], torch_path[:2]):
         assert_matches(out, ref, norm=family == "qwen3")
+    assert torch.equal(fused[2], torch_path[2])  # v: qkv's last heads
 
 
 @needs_cuda
@@ -222,6 +256,13 @@ def test_qwen3_0_6b_store_on_cuda(num_tokens, fp8):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_cache", "fp8_cache"])
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_qwen3_0_6b_split_k_sum_on_cuda(num_tokens, fp8):
+    check_split_k_sum(num_tokens, 16, 8, 128, 2, fp8, device="cuda")
+
+
+@needs_cuda
 def test_cuda_graph_replay():
     qkv, positions, cos_sin_cache, q_weight, k_weight = make_inputs(8, 16, 8, 128, torch.bfloat16, True, "cuda")
     args = (cos_sin_cache, 16, 8, 128, q_weight, k_weight)
@@ -229,14 +270,15 @@ def test_cuda_graph_replay():
     qk_norm_rope(qkv, positions, *args, slot_mapping=slots, **cache)  # compiles the kernel outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q, k = qk_norm_rope(qkv, positions, *args, slot_mapping=slots, **cache)
+        q, k, _ = qk_norm_rope(qkv, positions, *args, slot_mapping=slots, **cache)
     new_qkv, new_positions = make_inputs(8, 16, 8, 128, torch.bfloat16, True, "cuda", seed=1)[:2]
     new_slots = make_slots(8, 64, "cuda", seed=1)
     expected_cache = {name: x.clone() for name, x in cache.items()}
     for x, new in ((qkv, new_qkv), (positions, new_positions), (slots, new_slots)):
         x.copy_(new)
     graph.replay()
-    expected_q, expected_k = qk_norm_rope(new_qkv, new_positions, *args, slot_mapping=new_slots, **expected_cache)
+    expected_q, expected_k, _ = qk_norm_rope(new_qkv, new_positions, *args, slot_mapping=new_slots,
+                                             **expected_cache)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
     for name, x in cache.items():
         torch.testing.assert_close(x.float(), expected_cache[name].float(), rtol=0, atol=0, equal_nan=True)

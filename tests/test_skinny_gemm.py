@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.layers import linear as linear_module  # noqa: E402
-from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, launch_config, skinny_linear  # noqa: E402
+from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum, launch_config, skinny_linear, summed  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -75,6 +75,21 @@ def test_strided_rows():
     assert x.stride(0) != K
     check(skinny_linear(x, weight, b, block_n=32, block_k=32, split_k=1), x, weight, b)
     check(skinny_linear(x, weight, b, block_n=32, block_k=32, split_k=2), x, weight, b)
+
+
+@pytest.mark.parametrize("bias, split_k", [(False, 3), (True, 3), (False, 1)])
+def test_defer_sum(bias, split_k):
+    """defer_sum leaves split-K partials (no bias, K split) whose sum() is exactly the reduced y."""
+    x, weight, b = make_inputs(5, 100, 192, torch.float16, bias)
+    config = dict(block_n=32, block_k=64, split_k=split_k)
+    out = skinny_linear(x, weight, b, defer_sum=True, **config)
+    expected = skinny_linear(x, weight, b, **config)
+    if bias or split_k == 1:
+        assert isinstance(out, torch.Tensor) and torch.equal(out, expected)
+    else:
+        assert isinstance(out, SplitKSum) and out.parts.shape == (3, 5, 100) and out.parts.dtype == torch.float32
+        assert out.shape == (5, 100) and out.dtype == torch.float16
+        assert torch.equal(out.sum(), expected)
 
 
 def test_no_rows():
@@ -141,3 +156,6 @@ def test_linear_dispatch_on_cuda(monkeypatch, M, uses_skinny):
     y = linear_module.linear(x, weight, b)
     assert calls == ([M] if uses_skinny else [])
     torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1.6e-2, atol=1e-3)
+    deferred = linear_module.linear(x, weight, defer_sum=True)  # o_proj's shape: K is split
+    assert isinstance(deferred, SplitKSum) == uses_skinny
+    torch.testing.assert_close(summed(deferred), F.linear(x, weight), rtol=1.6e-2, atol=1e-3)

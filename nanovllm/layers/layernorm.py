@@ -1,11 +1,13 @@
 """RMSNorm, computed in float32 and rounded as transformers rounds it. On CUDA one Triton kernel per
-call (residual add included); elsewhere the torch ops, the reference the CPU tests compare with."""
+call (residual add included, and the sum of a skinny GEMM's split-K partials when given them);
+elsewhere the torch ops, the reference the CPU tests compare with."""
 
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
+from nanovllm.layers.skinny_gemm import SplitKSum, load_split_sum, on_kernel_path, split_operand, summed
 from nanovllm.utils.device import pdl_enabled
 
 
@@ -25,9 +27,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One row per program: add_rms_norm (rms_norm without a residual) with the same roundings."""
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps, x_split_stride,
+                     X_SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row per program: add_rms_norm (rms_norm without a residual) with the same roundings. x is
+    loaded through load_split_sum (X_SPLITS, x_split_stride: skinny_gemm.split_operand)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -36,7 +39,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
     weight = tl.load(w_ptr + cols, mask=mask, other=0.0)  # no earlier kernel writes it: load before the wait
     if PDL:
         tl.extra.cuda.gdc_wait()
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+    x = load_split_sum(x_ptr, row * N + cols, mask, x_split_stride, X_SPLITS, out_ptr.dtype.element_ty)
     h = x.to(tl.float32)
     if HAS_RESIDUAL:
         h += tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
@@ -47,21 +50,23 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
     tl.store(out_ptr + row * N + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def rms_norm_triton(x: torch.Tensor | SplitKSum, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """rms_norm(x, weight, eps) when residual is None, else add_rms_norm(x, residual, weight, eps): one
-    kernel over the rows of x [..., N] (x and residual contiguous, weight x's dtype)."""
+    kernel over the rows of x [..., N] (x and residual contiguous, weight x's dtype). x may be a
+    SplitKSum, summed as it is loaded."""
     assert weight.dtype == x.dtype, "the kernel rounds weight * x to x's dtype, as torch does for equal dtypes"
+    data, splits, split_stride = split_operand(x)
     N = x.shape[-1]
-    rows = x.numel() // N
-    out = torch.empty_like(x)
-    new_residual = torch.empty_like(x) if residual is not None else x
+    rows = x.shape.numel() // N
+    out = torch.empty(x.shape, dtype=x.dtype, device=data.device)
+    new_residual = torch.empty_like(out) if residual is not None else out
     if rows == 0:
         return out if residual is None else (out, new_residual)
     block = triton.next_power_of_2(N)
-    pdl = pdl_enabled(x.device)
-    _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, new_residual, N, eps,
-                              HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl,
-                              num_warps=min(16, max(4, block // 1024)), launch_pdl=pdl)
+    pdl = pdl_enabled(data.device)
+    _rms_norm_kernel[(rows,)](data, residual if residual is not None else out, weight, out, new_residual, N, eps,
+                              split_stride, X_SPLITS=splits, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                              PDL=pdl, num_warps=min(16, max(4, block // 1024)), launch_pdl=pdl)
     return out if residual is None else (out, new_residual)
 
 
@@ -73,10 +78,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda and x.is_contiguous() and (residual is None or residual.is_contiguous()) \
-                and self.weight.dtype == x.dtype:
+    def forward(self, x: torch.Tensor | SplitKSum, residual: torch.Tensor | None = None):
+        if on_kernel_path(x) and (residual is None or residual.is_contiguous()) and self.weight.dtype == x.dtype:
             return rms_norm_triton(x, residual, self.weight, self.eps)
+        x = summed(x)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -5,7 +5,8 @@ features and all-reduce the partial sums. Each parameter has a `weight_loader` t
 rank's slice of a checkpoint tensor.
 
 On CUDA, a few 16-bit rows (decode) go through the skinny GEMM, which reads the weight faster than
-cuBLAS does at that size; everything else through F.linear.
+cuBLAS does at that size; everything else through F.linear. `forward(x, defer_sum=True)` lets the skinny
+GEMM leave its split-K partials to the next kernel (a SplitKSum) where no all-reduce needs the sum.
 """
 
 import torch
@@ -13,18 +14,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, skinny_linear
+from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum, skinny_linear
 
 
 def tp_rank_and_size() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), by the skinny GEMM for x [M <= SKINNY_MAX_ROWS, K] 16-bit on CUDA."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           defer_sum: bool = False) -> torch.Tensor | SplitKSum:
+    """F.linear(x, weight, bias), by the skinny GEMM for x [M <= SKINNY_MAX_ROWS, K] 16-bit on CUDA; with
+    defer_sum that may return a SplitKSum (skinny_linear), for a caller whose next kernel takes one."""
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1
             and x.dtype in (torch.bfloat16, torch.float16)):
-        return skinny_linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, defer_sum=defer_sum)
     return F.linear(x, weight, bias)
 
 
@@ -63,8 +66,8 @@ class ReplicatedLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, tp_dim=None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | SplitKSum:
+        return linear(x, self.weight, self.bias, defer_sum)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -72,8 +75,8 @@ class ColumnParallelLinear(LinearBase):
         _, tp_size = tp_rank_and_size()
         super().__init__(input_size, output_size // tp_size, bias, tp_dim=0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | SplitKSum:
+        return linear(x, self.weight, self.bias, defer_sum)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -117,9 +120,10 @@ class RowParallelLinear(LinearBase):
         _, tp_size = tp_rank_and_size()
         super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | SplitKSum:
         # The bias is added once, on rank 0, before the partial sums are reduced.
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias, defer_sum)
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
+        dist.all_reduce(y)
         return y

@@ -5,6 +5,8 @@ It replaces `rms_norm` on q and k followed by `apply_rope` and the KV store on C
 several small kernels per layer. The op order is the torch code's, so results match it to the last bit
 but for the sum of squares, whose reduction order differs (see tests/test_qk_norm_rope.py for the
 bounds). The cache gets exactly what the KV store (attention.py) would write of the returned k and of v.
+The qkv projection's split-K partials (a SplitKSum) can be given instead of its output: the kernel sums
+them as it loads, so the projection needs no reduction kernel.
 """
 
 import torch
@@ -12,6 +14,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.attention import check_kv_cache, store_fp8_scale, to_fp8
+from nanovllm.layers.skinny_gemm import SplitKSum, load_split_sum, split_operand
 from nanovllm.utils.device import pdl_enabled
 
 
@@ -37,33 +40,41 @@ def _store_heads(x1, x2, cache_ptr, scale_ptr, slot, first_head, HEADS: tl.const
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride_cs, q_ptr, k_ptr,
-                         q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
+def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, cos_sin_ptr, stride_cs, q_ptr, k_ptr,
+                         v_ptr, q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
                          k_scale_ptr, v_scale_ptr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
-                         HAS_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-                         PDL: tl.constexpr):
+                         QKV_SPLITS: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr,
+                         FP8: tl.constexpr, PDL: tl.constexpr):
+    """qkv is loaded through load_split_sum (QKV_SPLITS, qkv_split_stride: skinny_gemm.split_operand); when
+    it is a SplitKSum (QKV_SPLITS > 0), the v heads are also written to v_ptr [tokens, NUM_KV_HEADS, D]."""
     if PDL:  # launched while the qkv projection runs: wait for it before reading anything
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
-    # HEADS consecutive heads: of the q heads, then the k heads, then (with STORE) the v heads. HEADS divides
-    # NUM_HEADS and NUM_KV_HEADS, so they are all of one kind.
+    # HEADS consecutive heads: of the q heads, then the k heads, then (with STORE or QKV_SPLITS) the v heads.
+    # HEADS divides NUM_HEADS and NUM_KV_HEADS, so they are all of one kind.
     head = tl.program_id(1) * HEADS
     heads = head + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     half = tl.arange(0, D // 2)[None, :]
     # The heads lie in this order in a qkv row too, so `heads` indexes all of them.
-    src = qkv_ptr + token * stride_qkv + heads * D + half
-    x1 = tl.load(src)  # [HEADS, D // 2]
-    x2 = tl.load(src + D // 2)
+    src = token * stride_qkv + heads * D + half
+    dtype = q_ptr.dtype.element_ty
+    x1 = load_split_sum(qkv_ptr, src, None, qkv_split_stride, QKV_SPLITS, dtype)  # [HEADS, D // 2]
+    x2 = load_split_sum(qkv_ptr, src + D // 2, None, qkv_split_stride, QKV_SPLITS, dtype)
     if STORE:
         slot = tl.load(slot_mapping_ptr + token)  # -1: write nothing
-        if head >= NUM_HEADS + NUM_KV_HEADS:  # v heads: stored unchanged
+    if head >= NUM_HEADS + NUM_KV_HEADS:  # v heads: stored unchanged
+        v_head = head - NUM_HEADS - NUM_KV_HEADS
+        if QKV_SPLITS > 0:
+            dst = v_ptr + (token * NUM_KV_HEADS + heads - NUM_HEADS - NUM_KV_HEADS) * D + half
+            tl.store(dst, x1)
+            tl.store(dst + D // 2, x2)
+        if STORE:
             if slot != -1:
-                _store_heads(x1, x2, v_cache_ptr, v_scale_ptr, slot, head - NUM_HEADS - NUM_KV_HEADS, HEADS,
-                             NUM_KV_HEADS, D, PAGE, FP8, IS_V=True)
-            return
-    dtype = x1.dtype
+                _store_heads(x1, x2, v_cache_ptr, v_scale_ptr, slot, v_head, HEADS, NUM_KV_HEADS, D, PAGE, FP8,
+                             IS_V=True)
+        return
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     is_q = head < NUM_HEADS
     if HAS_NORM:
@@ -97,15 +108,17 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, positions_ptr, cos_sin_ptr, stride
                          FP8, IS_V=False)
 
 
-def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
+def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None = None,
                  k_weight: torch.Tensor | None = None, eps: float = 1e-6, slot_mapping: torch.Tensor | None = None,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim], new contiguous tensors, from the qkv
-    projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]: each head RMS-normed with
-    q_weight / k_weight (when given; None for RoPE only), then rotated by RoPE at `positions` [T].
+                 heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads, head_dim]) from the
+    qkv projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]: q and k new contiguous tensors,
+    each head RMS-normed with q_weight / k_weight (when given; None for RoPE only), then rotated by RoPE at
+    `positions` [T]; v a view of qkv's last heads, or, when qkv is a SplitKSum (summed as it is loaded), a
+    new tensor.
 
     With k_cache, v_cache (a layer's paged cache, as Attention.kv_cache_views gives them) it also writes
     each token's k and v (qkv's last num_kv_heads heads, unchanged) to cache slot slot_mapping[token]
@@ -117,8 +130,9 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     so it is CUDA-graph capturable.
     """
     num_tokens = qkv.shape[0]
+    data, splits, split_stride = split_operand(qkv)
     assert head_dim & (head_dim - 1) == 0, f"head_dim={head_dim} is not a power of two"
-    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and data.stride(-1) == 1
     assert cos_sin_cache.shape[1] == head_dim and cos_sin_cache.stride(1) == 1
     assert cos_sin_cache.dtype == torch.float32 and positions.shape == (num_tokens,)
     has_norm = q_weight is not None
@@ -131,22 +145,26 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
         fp8 = check_kv_cache(k_cache, v_cache, k_scale, v_scale, num_kv_heads, head_dim)
         assert fp8 or k_cache.dtype == qkv.dtype, "a cache of another dtype than the model's is fp8"
         assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
-    q = qkv.new_empty(num_tokens, num_heads, head_dim)
-    k = qkv.new_empty(num_tokens, num_kv_heads, head_dim)
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=data.device)
+    k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=data.device)
+    if splits:
+        v = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=data.device)
+    else:
+        v = qkv[:, -num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
     heads = heads_per_program or _heads_per_program(num_tokens, num_heads, num_kv_heads)
     assert num_heads % heads == 0 and num_kv_heads % heads == 0 and heads & (heads - 1) == 0
-    grid = (num_tokens, (num_heads + num_kv_heads + (num_kv_heads if store else 0)) // heads)
-    pdl = pdl_enabled(qkv.device)
+    grid = (num_tokens, (num_heads + num_kv_heads + (num_kv_heads if store or splits else 0)) // heads)
+    pdl = pdl_enabled(data.device)
     _qk_norm_rope_kernel[grid](
-        qkv, qkv.stride(0), positions, cos_sin_cache, cos_sin_cache.stride(0), q, k, q_weight, k_weight, eps,
-        slot_mapping, k_cache, v_cache, k_scale, v_scale,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, HEADS=heads, HAS_NORM=has_norm, STORE=store,
-        PAGE=k_cache.size(1) if store else 1, FP8=fp8, PDL=pdl, launch_pdl=pdl,
+        data, data.stride(-2), split_stride, positions, cos_sin_cache, cos_sin_cache.stride(0), q, k, v, q_weight,
+        k_weight, eps, slot_mapping, k_cache, v_cache, k_scale, v_scale,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, HEADS=heads, QKV_SPLITS=splits,
+        HAS_NORM=has_norm, STORE=store, PAGE=k_cache.size(1) if store else 1, FP8=fp8, PDL=pdl, launch_pdl=pdl,
         # One warp per program: the sums of squares need no cross-warp step.
         num_warps=1,
         # No FMA contraction: x1 * cos - x2 * sin rounds each product as torch does.
         enable_fp_fusion=False)
-    return q, k
+    return q, k, v
 
 
 # From this many tokens a program takes several heads (_heads_per_program).

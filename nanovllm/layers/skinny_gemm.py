@@ -9,6 +9,11 @@ When N / BLOCK_N gives too few programs to keep every SM streaming, K is split a
 programs too; they write float32 partials that a second small kernel sums (deterministic, unlike
 atomics). Nothing depends on tensor values, so the launch is CUDA-graph safe.
 
+A kernel that reads y anyway (RMSNorm, SiLU-and-mul, the q/k norm + RoPE) can sum the partials itself as
+it loads y (`defer_sum=True` gives it a `SplitKSum`; it loads with `load_split_sum`), which saves the
+reduction kernel's launch: at decode sizes each kernel in the chain costs a few microseconds whatever
+its work.
+
 At decode sizes a kernel's launch and its first weight reads take as long as the rest of it. With
 programmatic dependent launch (utils.device.pdl_enabled) the kernel starts while the one before it
 (norm, activation, attention) still runs: each program asks L2 for the start of its weight slice,
@@ -109,6 +114,74 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, 
         tl.store(part, acc, mask=out_mask)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SplitKSum:
+    """A skinny GEMM's output y [M, N] not yet summed: its float32 split-K partials `parts` [splits, M, N]
+    (contiguous); y = their sum in split order, rounded to `dtype` (no bias). Kernels that take one sum
+    while loading (load_split_sum); anything else calls `sum()`."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+    def sum(self) -> torch.Tensor:
+        splits, M, N = self.parts.shape
+        y = torch.empty(M, N, dtype=self.dtype, device=self.parts.device)
+        _reduce(self.parts, None, y)
+        return y
+
+
+def on_kernel_path(x: "torch.Tensor | SplitKSum") -> bool:
+    """Whether a kernel that loads through load_split_sum takes x: a SplitKSum or a contiguous CUDA tensor."""
+    return isinstance(x, SplitKSum) or (x.is_cuda and x.is_contiguous())
+
+
+def summed(x: "torch.Tensor | SplitKSum") -> torch.Tensor:
+    """x as a tensor: a SplitKSum summed, a tensor as it is."""
+    return x.sum() if isinstance(x, SplitKSum) else x
+
+
+def split_operand(x: "torch.Tensor | SplitKSum") -> tuple[torch.Tensor, int, int]:
+    """(tensor, splits, split stride) of a kernel operand that may be a SplitKSum; splits 0: a plain tensor."""
+    if isinstance(x, SplitKSum):
+        return x.parts, x.parts.shape[0], x.parts.stride(0)
+    return x, 0, 0
+
+
+@triton.jit
+def _load(ptrs, mask):
+    """tl.load of ptrs, 0 where mask is False; mask may be None (no mask)."""
+    if mask is None:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _sum_splits(ptr, offs, mask, split_stride, SPLITS: tl.constexpr):
+    """The float32 sum, in split order, of SPLITS partials at ptr + s * split_stride + offs."""
+    acc = _load(ptr + offs, mask)
+    for s in tl.static_range(1, SPLITS):
+        acc += _load(ptr + s * split_stride + offs, mask)
+    return acc
+
+
+@triton.jit
+def load_split_sum(ptr, offs, mask, split_stride, SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """Loads an operand that split_operand gave as (ptr, SPLITS, split_stride): with SPLITS == 0 the values
+    at ptr + offs, else their SplitKSum, rounded to dtype: the values SplitKSum.sum() would hold. 0 where
+    mask (None: all) is False."""
+    if SPLITS == 0:
+        x = _load(ptr + offs, mask)
+    else:
+        x = _sum_splits(ptr, offs, mask, split_stride, SPLITS).to(dtype)
+    return x
+
+
 @triton.jit
 def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
@@ -119,21 +192,21 @@ def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs_n < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + offs_n, mask=mask, other=0.0)
+    acc = _sum_splits(part_ptr + m.to(tl.int64) * N, offs_n, mask, M * N, SPLIT_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                  defer_sum: bool = False, block_n: int | None = None, block_k: int | None = None,
+                  split_k: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> "torch.Tensor | SplitKSum":
     """F.linear(x, weight, bias) for x [M <= SKINNY_MAX_ROWS, K] with float32 accumulation.
 
     x: 16-bit, last dim contiguous (rows may be strided); weight [N, K] contiguous, x's dtype;
-    bias: [N] or None. Returns y [M, N] in x.dtype. Keyword arguments override launch_config.
+    bias: [N] or None. Returns y [M, N] in x.dtype; with defer_sum, no bias and K split, y's SplitKSum
+    instead. Keyword arguments override launch_config.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -143,25 +216,35 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     overrides = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
     config = dataclasses.replace(launch_config(N, K, num_sms(x.device)),
                                  **{k: v for k, v in overrides.items() if v is not None})
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return y
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
     # Whole K tiles per split; splits left with no tile are dropped.
     k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(K, k_per_split)
+    deferred = defer_sum and splits > 1 and bias is None
+    y = None if deferred else torch.empty(M, N, dtype=x.dtype, device=x.device)
     out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     pdl = pdl_enabled(x.device)
     _skinny_kernel[(triton.cdiv(N, config.block_n), splits)](
-        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), y.stride(0), k_per_split,
+        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), N, k_per_split,
         HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=splits,
         PDL=pdl, PREFETCH_LINES=min(PREFETCH_MAX_LINES, triton.next_power_of_2(triton.cdiv(k_per_split, 64))),
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
+    if deferred:
+        return SplitKSum(out, x.dtype)
     if splits > 1:
-        block = 1024
-        _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
-            out, bias if bias is not None else weight, y, M, N, y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, SPLIT_K=splits, PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )
+        _reduce(out, bias, y)
     return y
+
+
+def _reduce(parts: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor):
+    """y [M, N] (contiguous) = the sum of float32 partials [splits, M, N] (+ bias), by _split_k_reduce_kernel."""
+    splits, M, N = parts.shape
+    block = 1024
+    pdl = pdl_enabled(y.device)
+    _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
+        parts, bias if bias is not None else parts, y, M, N, y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK=block, SPLIT_K=splits, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )

@@ -15,6 +15,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.qk_norm_rope import qk_norm_rope
 from nanovllm.layers.rotary_embedding import get_rope
+from nanovllm.layers.skinny_gemm import SplitKSum
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,20 +47,22 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        fused = qkv.is_cuda
-        q, k = self.norm_rope(positions, qkv, fused, meta.slot_mapping)
-        v = qkv[:, -self.num_kv_heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)  # a view of qkv
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor | SplitKSum:
+        fused = hidden_states.is_cuda
+        # Fused: the q/k norm + RoPE kernel sums the projection's split-K partials itself.
+        qkv = self.qkv_proj(hidden_states, defer_sum=fused)
+        q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping)
         out = self.attn(q, k, v, meta, kv_stored=fused)
-        return self.o_proj(out.flatten(1, -1))
+        return self.o_proj(out.flatten(1, -1), defer_sum=True)  # summed by the post-attention norm
 
-    def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor, fused: bool,
-                  slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] from the qkv
-        projection: per-head RMS-normed (with qk_norm), then rotated. `fused`: one Triton kernel (CUDA),
-        which with slot_mapping also stores the new K and V into self.attn's cache (once the pool exists);
-        else the torch ops, the exact reference the CPU tests compare with transformers, storing nothing."""
+    def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum, fused: bool,
+                  slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim] from the qkv
+        projection: q and k per-head RMS-normed (with qk_norm), then rotated. `fused`: one Triton kernel
+        (CUDA), which with slot_mapping also stores the new K and V into self.attn's cache (once the pool
+        exists); else the torch ops, the exact reference the CPU tests compare with transformers, storing
+        nothing."""
         if fused:
             norm = dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps) \
                 if self.qk_norm else {}
@@ -67,12 +70,12 @@ class DecoderAttention(nn.Module):
             return qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
                                 self.head_dim, **norm, **store)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.rotary_emb(positions, q, k)
+        return *self.rotary_emb(positions, q, k), v.view(-1, self.num_kv_heads, self.head_dim)
 
 
 class DecoderMLP(nn.Module):
@@ -83,8 +86,10 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=options.mlp_bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKSum:
+        # A skinny GEMM's split-K partials are summed by the kernel that reads its output next: the
+        # activation, and the next layer's input norm (or the final norm).
+        return self.down_proj(self.act_fn(self.gate_up_proj(x, defer_sum=True)), defer_sum=True)
 
 
 class DecoderLayer(nn.Module):
