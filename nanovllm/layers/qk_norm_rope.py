@@ -125,9 +125,9 @@ def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin
     (int64 [T]; -1: nowhere), as Attention's store would: into an fp8 cache quantized, the scales in
     k_scale, v_scale. Without a cache nothing is stored.
 
-    One program per token and heads_per_program heads of one kind (q, k or, when storing, v; default:
-    _heads_per_program) reads them once (and the token's cos/sin row) and writes the result; no host sync,
-    so it is CUDA-graph capturable.
+    One program per token and heads_per_program heads of one kind (q, k or, when storing or given a
+    SplitKSum, v; default: _heads_per_program) reads them once (and the token's cos/sin row) and writes
+    the result; no host sync, so it is CUDA-graph capturable.
     """
     num_tokens = qkv.shape[0]
     data, splits, split_stride = split_operand(qkv)
