@@ -180,7 +180,7 @@ def test_stores_k_and_v_with_rope_only():
     check_store(37, 4, 2, 128, torch.bfloat16, 16, fp8=True, norm=False)
 
 
-def check_split_k_sum(num_tokens, num_heads, num_kv_heads, head_dim, splits, fp8, device=DEVICE):
+def check_split_k_sum(num_tokens, num_heads, num_kv_heads, head_dim, splits, fp8, device=DEVICE, heads_per_program=1):
     """Given a skinny GEMM's split-K partials (SplitKSum), the kernel returns and stores exactly what it
     does given their sum; v is then a new tensor."""
     _, positions, cos_sin_cache, q_weight, k_weight = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim,
@@ -193,8 +193,8 @@ def check_split_k_sum(num_tokens, num_heads, num_kv_heads, head_dim, splits, fp8
     slots = make_slots(num_tokens, num_blocks * block_size, device)
     caches = [nan_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.bfloat16, fp8, device) for _ in range(2)]
     args = (positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_weight, k_weight, EPS, slots)
-    out = qk_norm_rope(partial, *args, **caches[0])
-    expected = qk_norm_rope(qkv, *args, **caches[1])
+    out = qk_norm_rope(partial, *args, **caches[0], heads_per_program=heads_per_program)
+    expected = qk_norm_rope(qkv, *args, **caches[1], heads_per_program=heads_per_program)
     assert all(map(torch.equal, out, expected))
     assert out[2].is_contiguous() and out[2].data_ptr() != qkv.data_ptr()
     for name, cache in caches[0].items():
@@ -204,9 +204,9 @@ def check_split_k_sum(num_tokens, num_heads, num_kv_heads, head_dim, splits, fp8
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model_dtype_cache", "fp8_cache"])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_split_k_sum_as_qkv(splits, fp8):
-    check_split_k_sum(5, 4, 2, 64, splits, fp8)
+@pytest.mark.parametrize("splits, heads_per_program", [(1, 1), (3, 1), (3, 2)])
+def test_split_k_sum_as_qkv(splits, heads_per_program, fp8):
+    check_split_k_sum(5, 4, 2, 64, splits, fp8, heads_per_program=heads_per_program)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
