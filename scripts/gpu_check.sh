@@ -7,9 +7,6 @@
 # benches also listed in BASELINE_BENCHES (default: all) run there too, right after ours, for a
 # same-run baseline. Every item runs under `timeout $STEP_TIMEOUT` (tests: $TEST_TIMEOUT) and logs as it goes.
 # (The CPU suite, marked cpu_suite, skips itself where CUDA is visible: see tests/conftest.py.)
-# On two GPUs, give tests/test_cuda.py::test_killed_worker_raises_instead_of_hanging_in_nccl a set of
-# its own: on the 2026-11-30 image it hangs in NCCL's abort and would take the rest of its set down with
-# it (BENCHMARKS.md, eleventh session, calls 4-5; scripts/killed_worker_check.py).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
+from nanovllm.engine import llm_engine
 from nanovllm.engine.shm_channel import WorkerDiedError
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.utils.loader import load_model
@@ -117,6 +119,32 @@ def check_killed_worker_raises(llm: LLM, max_tokens: int):
 def test_killed_worker_raises_and_leaves_no_segment(tiny_model):
     check_killed_worker_raises(LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64),
                                max_tokens=50)
+
+
+def test_an_nccl_abort_that_never_returns_is_given_up_on(tiny_model, monkeypatch):
+    """On the GPU, NCCL's abort of the collectives a dead worker left may never return (BENCHMARKS.md,
+    eleventh session). exit gives up on it after NCCL_ABORT_SECONDS: the step still raises, and another LLM
+    in this process is refused with the reason until the abort ends. Simulated over gloo with an abort
+    that blocks until released."""
+    release = threading.Event()
+
+    def stuck_abort():
+        release.wait()
+        torch.distributed.destroy_process_group()  # what the abort leaves once it returns
+
+    llm = LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
+    monkeypatch.setattr(llm_engine, "NCCL_ABORT_SECONDS", 0.5)
+    monkeypatch.setattr(llm_engine.LLMEngine, "nccl_abort", None)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *args: "nccl")
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_abort_process_group", stuck_abort)
+    check_killed_worker_raises(llm, max_tokens=50)
+    assert torch.distributed.is_initialized() and llm_engine.LLMEngine.nccl_abort.is_alive()
+    with pytest.raises(RuntimeError, match="NCCL did not abort the collectives waiting for it"):
+        LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=8)
+    release.set()
+    llm_engine.LLMEngine.nccl_abort.join(10)
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=8) as again:
+        assert again.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["finish_reason"] == "length"
 
 
 def test_worker_dying_at_start_up_is_an_error(tiny_model, monkeypatch, tmp_path):

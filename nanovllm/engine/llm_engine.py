@@ -3,6 +3,7 @@
 import atexit
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,19 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerDiedError
 from nanovllm.sampling_params import SamplingParams
 
+# How long LLMEngine.exit waits for NCCL to abort the collectives a dead worker left pending.
+NCCL_ABORT_SECONDS = 5.0
+
+
+def _abort_nccl_group() -> threading.Thread:
+    """Abort this process's NCCL process group, whose kernels wait for a rank that died and never return.
+    The abort itself may never return either (torch 2.11 on the H200: BENCHMARKS.md, eleventh session),
+    so it runs on a daemon thread, returned after waiting NCCL_ABORT_SECONDS for it."""
+    aborter = threading.Thread(target=dist.distributed_c10d._abort_process_group, name="nccl-abort", daemon=True)
+    aborter.start()
+    aborter.join(NCCL_ABORT_SECONDS)
+    return aborter
+
 
 @dataclass
 class StepResult:
@@ -30,10 +44,18 @@ class StepResult:
 
 
 class LLMEngine:
+    # exit's NCCL abort (_abort_nccl_group). While it runs, the process group stays registered and its
+    # kernels may still spin on the GPU: no other LLM can start in this process.
+    nccl_abort: threading.Thread | None = None
+
     def __init__(self, model: str, **options):
         self._exited = True  # until start-up completes, exit() has nothing of ours to release
         self.config = config = Config.from_options(model, **options)
         if dist.is_initialized():  # rank 0 uses this process's default process group
+            if LLMEngine.nccl_abort is not None and LLMEngine.nccl_abort.is_alive():
+                raise RuntimeError("an earlier LLM's tensor-parallel worker died and NCCL did not abort the "
+                                   "collectives waiting for it, so this process cannot start another LLM; "
+                                   "start a new process")
             raise RuntimeError("another LLM is still alive in this process (or torch.distributed is in use); "
                                "call its exit() first")
         self.processes = []
@@ -87,8 +109,7 @@ class LLMEngine:
         finally:
             if dist.is_initialized():  # start-up failed midway, or a worker died
                 if worker_died and dist.get_backend() == "nccl":
-                    # NCCL kernels waiting for the dead rank never return: abort them.
-                    dist.distributed_c10d._abort_process_group()
+                    LLMEngine.nccl_abort = _abort_nccl_group()
                 else:
                     dist.destroy_process_group()
             for process in self.processes:
