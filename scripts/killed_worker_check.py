@@ -2,12 +2,14 @@
 
 Each variant runs in a fresh process: an LLM with tensor_parallel_size=2 on a tiny bf16 Qwen3, one step,
 rank 1 killed, steps until WorkerDiedError; then a new single-GPU LLM in the same process generates a
-token (the process group can be made again). Prints the seconds each phase took, or the stacks of a
+token (the process group can be made again), unless LLMEngine.exit gave up on NCCL's abort, which
+refuses a new LLM in the process. Prints the seconds each phase took, or the stacks of a
 variant stuck for 30 s (faulthandler). Usage: python scripts/killed_worker_check.py [variant ...]
 
 On the H200 image of 2026-11-30 (torch 2.11+cu130) every variant hung: in the NCCL abort of
 LLMEngine.exit, or with enforce_eager in a kernel launch of a later step (BENCHMARKS.md, eleventh
-session, calls 4-5).
+session, calls 4-5). Since exit waits only NCCL_ABORT_SECONDS for the abort, `default` raises
+WorkerDiedError after ~5 s (twelfth session, call 1).
 """
 
 import os
@@ -49,6 +51,7 @@ def run_variant(model: str, name: str):
     import faulthandler
 
     from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.engine.shm_channel import WorkerDiedError
 
     timed_abort(name)
@@ -65,6 +68,9 @@ def run_variant(model: str, name: str):
             llm.step()
     except WorkerDiedError as error:
         print(f"  WorkerDiedError after {time.monotonic() - start:.1f} s: {error}", flush=True)
+    if LLMEngine.nccl_abort is not None and LLMEngine.nccl_abort.is_alive():
+        print("  NCCL's abort is still running: exit gave up on it, and refuses a new LLM here", flush=True)
+        return
     faulthandler.dump_traceback_later(60, exit=True)
     start = time.monotonic()
     with LLM(model, max_model_len=1024, **options) as again:
