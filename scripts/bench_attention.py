@@ -6,6 +6,7 @@ flash-attn when it is importable.
     python scripts/bench_attention.py --sweep decode   # ...decode's only (or prefill's)
     python scripts/bench_attention.py --kv-cache-dtype fp8 --sweep dequant   # the fp8-prefix path's kernels
     python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
+    python scripts/bench_attention.py --prefill-only [--sweep prefill]   # no decode grid
 
 Qwen3-0.6B attention heads (H=16, KVH=8, D=128), bf16, 256-token pages, randomly permuted blocks.
 Decode runs a grid of batch x context, then ragged batches (contexts drawn uniformly, as the engine
@@ -238,8 +239,9 @@ def decode_tiles(fp8):
 # (block_m, block_n, num_warps, num_stages); with block_m 32, the fp8 kernel's dots compile to mma.sync
 # (operands in registers) instead of wgmma (B from shared memory: converted fp8 tiles are stored back)
 PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3),
-                   (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3),
-                   (64, 64, 8, 3), (64, 64, 8, 4), (64, 32, 4, 4), (32, 64, 4, 3), (32, 32, 4, 4)]
+                   (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 128, 4, 2),
+                   (64, 128, 4, 4), (64, 128, 8, 3), (64, 64, 8, 3), (64, 64, 8, 4), (64, 32, 4, 4),
+                   (32, 64, 4, 3), (32, 32, 4, 4)]
 
 
 def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
@@ -333,6 +335,7 @@ def main():
                         help="also sweep launch configs (of both kernels, or of one; dequant: the fp8-prefix path)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the cache the Triton kernels read: bf16 (auto) or fp8 + per-token scales")
+    parser.add_argument("--prefill-only", action="store_true", help="skip the decode grid")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
@@ -342,7 +345,8 @@ def main():
          f"flash_attn: {fa}")
     copy_bw = copy_bandwidth()
     cache = Cache(max(BATCHES) * max(CONTEXTS), fp8=args.kv_cache_dtype == "fp8")
-    run_decode(cache, copy_bw)
+    if not args.prefill_only:
+        run_decode(cache, copy_bw)
     run_prefill(cache)
     if args.sweep:
         sweep(cache, copy_bw, args.sweep)

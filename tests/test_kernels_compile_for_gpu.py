@@ -58,7 +58,7 @@ def configurations():
                           dict(D=128, NUM_SPLITS=4, PDL=True)),
         "prefill bf16": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
         "prefill fp8": (attention, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
-                        merge(PREFILL, fp16, FP8_V, {"BLOCK_M": 64, "BLOCK_N": 64})),
+                        merge(PREFILL, fp16, FP8_V, {"BLOCK_M": 64, "BLOCK_N": 128})),
         "prefill varlen": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"],
                            merge(PREFILL, fp16, VARLEN)),
         "dequantize fp8": (attention, "_dequantize_kernel",

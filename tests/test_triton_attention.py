@@ -17,7 +17,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from nanovllm.layers import triton_attention as ta  # noqa: E402
-from nanovllm.layers.attention import quantize_cache_fp8, v_token_major, workspace_groups  # noqa: E402
+from nanovllm.layers.attention import quantize_cache_fp8, quantize_fp8, v_token_major, workspace_groups  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -149,10 +149,18 @@ def test_decode_num_splits_heuristic():
     assert ta._decode_num_splits(64, 8, 4096, dev) == 1
 
 
-def prefill_case(context_lens, q_lens, block_size, h, kvh, d, dtype, fp8):
+def rounded_to_fp8(q):
+    """q with each head rounded to e4m3 under its own scale, as the fp8 prefill kernel's 64-row tiles
+    round it, in float64."""
+    q8, scale = quantize_fp8(q)
+    return q8.double() * scale[..., None].double()
+
+
+def prefill_case(context_lens, q_lens, block_size, h, kvh, d, dtype, fp8, round_queries=False):
     """A paged cache holding context_lens[b] random tokens per sequence (fp8: quantized, its scales as
     kernel kwargs), queries at the last q_lens[b] positions, cu_seqlens_q, a NaN-filled output and the
-    float64 reference: (q, k_cache, v_cache, scales, tables, cu, lens, scale, out, ref)."""
+    float64 reference (round_queries: of the queries rounded to fp8): (q, k_cache, v_cache, scales,
+    tables, cu, lens, scale, out, ref)."""
     k_cache, v_cache, tables, lens = make_cache(context_lens, block_size, kvh, d, dtype)
     ref_k, ref_v, scales = k_cache, v_cache, {}
     if fp8:
@@ -160,14 +168,16 @@ def prefill_case(context_lens, q_lens, block_size, h, kvh, d, dtype, fp8):
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q = torch.randn(sum(q_lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     scale = d ** -0.5
-    ref = torch.cat([reference(q[cu[b]:cu[b + 1]], ref_k, ref_v, tables[b], n, scale)
+    ref_q = rounded_to_fp8(q) if round_queries else q
+    ref = torch.cat([reference(ref_q[cu[b]:cu[b + 1]], ref_k, ref_v, tables[b], n, scale)
                      for b, n in enumerate(context_lens)])
     return q, k_cache, v_cache, scales, tables, cu, lens, scale, torch.full_like(q, float("nan")), ref
 
 
-def run_prefill(context_lens, q_lens, block_size, h, kvh, d, dtype=torch.float32, fp8=False, **kwargs):
+def run_prefill(context_lens, q_lens, block_size, h, kvh, d, dtype=torch.float32, fp8=False, round_queries=False,
+                **kwargs):
     q, k_cache, v_cache, scales, tables, cu, lens, scale, out, ref = prefill_case(
-        context_lens, q_lens, block_size, h, kvh, d, dtype, fp8)
+        context_lens, q_lens, block_size, h, kvh, d, dtype, fp8, round_queries)
     ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, max(q_lens), scale, out=out, **scales,
                                **kwargs)
     return q, (k_cache, v_cache, tables, cu, lens, scale), out, ref
@@ -257,6 +267,20 @@ def test_prefill_fp8(block_size, h, kvh, d, context_lens, q_lens):
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("block_n", [32, 128])
+def test_prefill_fp8_rounds_queries_in_64_row_tiles(block_n):
+    """From 64 rows a tile, the fp8 kernel rounds q to e4m3 (a scale per token and head) and multiplies
+    q k^T in fp8: exactly the attention of the rounded queries, over several key tiles whose V scales
+    differ (the output is accumulated in units of each tile's largest V scale), keys spanning pages."""
+    context_lens, q_lens = [150, 300, 61], [90, 44, 61]  # prefix + chunk (two query tiles), chunk, prompt
+    _, _, out, ref = run_prefill(context_lens, q_lens, 32, 4, 2, 32, fp8=True, round_queries=True,
+                                 block_m=64, block_n=block_n)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    _, _, _, unrounded = run_prefill(context_lens, q_lens, 32, 4, 2, 32, fp8=True, block_m=16, block_n=32)
+    # the price of rounding q, for N(0, 1) q, K and V at head_dim 32: 0.036 at most here
+    assert (out.double() - unrounded).abs().max() < 0.05
+
+
 def run_dequantized_prefill(context_lens, q_lens, block_size, h, kvh, d, capacity, dtype=torch.float32):
     """dequantized_prefill_attention over an fp8 cache, the workspace holding `capacity` tokens (NaN
     before the call, so rows it should have written poison the output)."""
@@ -337,8 +361,8 @@ def test_fp8_bf16_qwen3():
             torch.testing.assert_close(fp8[b].double(), ref, atol=2e-2, rtol=2e-2)
     # N(0, 1) K/V: 0.12 at most in float64 (V rounded by up to amax / 28 for context 1)
     assert (fp8.float() - exact.float()).abs().max() < 0.2
-    lens, q_lens = [1000, 2048, 300], [1000, 512, 1]
-    _, _, fp8, ref = run_prefill(lens, q_lens, dtype=torch.bfloat16, fp8=True, **QWEN3)
+    lens, q_lens = [1000, 2048, 300], [1000, 512, 1]  # 64-row tiles: the queries are rounded to fp8
+    _, _, fp8, ref = run_prefill(lens, q_lens, dtype=torch.bfloat16, fp8=True, round_queries=True, **QWEN3)
     torch.testing.assert_close(fp8.double(), ref, atol=2e-2, rtol=2e-2)
     _, _, exact, _ = run_prefill(lens, q_lens, dtype=torch.bfloat16, **QWEN3)
     assert (fp8.float() - exact.float()).abs().max() < 0.2
@@ -350,7 +374,7 @@ def test_fp8_bf16_qwen3():
 @needs_cuda
 @pytest.mark.parametrize("v_magnitude", [1e-4, 1e2])
 def test_fp8_values_far_from_one(v_magnitude):
-    """The fp8 kernels compute in float16: V of tiny magnitude must not underflow in the PV product
+    """The fp8 kernels compute P V in float16: V of tiny magnitude must not underflow in the PV product
     (the weights are taken relative to the tile's largest V scale), nor large V overflow."""
     lens = [1, 300, 1024]
     k_cache, v_cache, tables, ctx = make_cache(lens, 256, 8, 128)
@@ -360,3 +384,12 @@ def test_fp8_values_far_from_one(v_magnitude):
     for b, n in enumerate(lens):
         ref = reference(q[b:b + 1], ref_k, ref_v, tables[b], n, 128 ** -0.5)[0]
         torch.testing.assert_close(out[b].double() / v_magnitude, ref / v_magnitude, atol=2e-2, rtol=2e-2)
+    # prefill in 64-row tiles (fp8 queries), whose output is accumulated in units of a V scale
+    q_lens = [1, 100, 64]
+    q = torch.randn(sum(q_lens), 16, 128, device=DEVICE).to(torch.bfloat16)
+    cu = torch.tensor([0, 1, 101, 165], dtype=torch.int32, device=DEVICE)
+    out = ta.paged_prefill_attention(q, k8, v8, tables, cu, ctx, 100, 128 ** -0.5, **scales)
+    for b, n in enumerate(lens):
+        ref = reference(rounded_to_fp8(q[cu[b]:cu[b + 1]]), ref_k, ref_v, tables[b], n, 128 ** -0.5)
+        torch.testing.assert_close(out[cu[b]:cu[b + 1]].double() / v_magnitude, ref / v_magnitude, atol=2e-2,
+                                   rtol=2e-2)

@@ -15,13 +15,22 @@ only need converting. They are converted to float16, not bfloat16: e4m3 -> f16 i
 pair on sm_89+, e4m3 -> bf16 several, and fp16 holds every e4m3 value exactly. A bf16 q is converted
 to fp16 too (exact in fp16's range: |q| < 65504, which normed queries are far below). A constexpr FP8
 flag leaves the 16-bit path untouched.
+
+Prefill tiles of 64 query rows and more (wgmma) over an fp8 cache instead round q to e4m3, with a scale
+per token and head as the cache has for K (_quantize_rows), and multiply q k^T in fp8 on the tiles as
+loaded: only V is converted. That made a 64-query chunk over 960 cached tokens 1.2x faster (H200,
+BENCHMARKS.md, twelfth session). The price is q's rounding, of the order of K's: for N(0, 1) q, K, V
+the output moves by up to 0.036 (tests/test_triton_attention.py), and on Qwen3-0.6B shapes the error
+against flash-attn on the bf16 cache went from 2.4e-2 to 3.1e-2 in that chunk. Smaller tiles use
+mma.sync, which would convert fp8 operands to fp16 anyway: they keep q in fp16. Decode keeps it too
+(its tiles are 16 rows).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention import v_token_major
+from nanovllm.layers.attention import FP8_MAX, FP8_MIN_AMAX, v_token_major
 from nanovllm.utils.device import num_sms, pdl_enabled
 
 LOG2E = 1.4426950408889634
@@ -79,35 +88,66 @@ def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, lim
 
 
 @triton.jit
-def _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, mask, sm_scale_log2,
-                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
-    """One online-softmax update of (m_i [M], l_i [M], acc [M, D]) with a key/value tile.
+def _softmax_step(q, q_scale, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, mask, sm_scale_log2,
+                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr):
+    """One online-softmax update of (m_i [M], l_i [M], acc [M, D], acc_unit) with a key/value tile.
 
     q: [M, D], k, v: [N, D], mask: [M, N] (True = attend) or None; it must exclude keys past the
-    context (with FP8 their K/V are stale values, _load_kv). With FP8, k and v are fp8 with scales
-    k_scale, v_scale [N] (0 past the context). m_i is in scaled log2 units.
+    context (with FP8 their K/V are stale values, _load_kv). m_i is in scaled log2 units. The output
+    sum is acc * acc_unit (a scalar, 1 but with an fp8 q).
+
+    With FP8, k and v are fp8 with scales k_scale, v_scale [N] (0 past the context), and q either
+    - in FP8_COMPUTE (q_scale None: decode): k and v are converted to it; or
+    - fp8 itself with row scales q_scale [M] (_quantize_rows: prefill). q k^T is then an fp8 MMA of
+      the tiles as loaded; only v is converted.
     """
-    if FP8:  # compute in q's dtype (fp16 for a 16-bit q, see _fp8_compute_dtype); scales applied per key below
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
+    if FP8 and q_scale is None:
+        k = k.to(FP8_COMPUTE)
+    if FP8:  # converted here: in the dot below, Triton allotted more registers (decode: 168, not 128)
+        v = v.to(FP8_COMPUTE)
+    if q_scale is None:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    else:  # fp8 operands; q's row scales are folded into the softmax scale below
+        qk = tl.dot(q, tl.trans(k))
     if FP8:
         qk = qk * k_scale[None, :]
     if mask is not None:
         qk = tl.where(mask, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * sm_scale_log2)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk * sm_scale_log2 - m_new[:, None])  # one FMA per logit
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8:
-        # sum_j p_j (s_j v_j) = s_max sum_j (p_j s_j / s_max) v_j: dividing by the tile's largest scale
-        # keeps the fp16 weights in [0, 1] (tiny scales would otherwise underflow fp16).
-        v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)  # masked keys have scale 0
-        pv = tl.dot((p * (v_scale / v_max)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION) * v_max
+    if q_scale is None:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * sm_scale_log2)
+        p = tl.exp2(qk * sm_scale_log2 - m_new[:, None])  # one FMA per logit
     else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
+        row_scale = q_scale * sm_scale_log2  # > 0, so max(qk * row_scale) = max(qk) * row_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * row_scale)
+        p = tl.exp2(qk * row_scale[:, None] - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if not FP8:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        # sum_j p_j (s_j v_j) = s_max sum_j (p_j s_j / s_max) v_j: dividing by the tile's largest scale
+        # keeps the fp16 weights in [0, 1] (tiny scales would otherwise underflow fp16). s_max > 0:
+        # every tile holds a token of the context.
+        v_max = tl.max(v_scale, 0)
+        p = (p * (v_scale / v_max)[None, :]).to(FP8_COMPUTE)
+        if q_scale is None:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION) * v_max
+        else:  # acc in units of s_max, so that the MMA accumulates in place: a separate product takes
+            # [M, D] more registers, which the 64 x 128 prefill tile spilled (decode's mma.sync kept it
+            # apart in 128 registers, in place in 140: 3 programs an SM instead of 4)
+            acc = tl.dot(p, v, acc * (alpha * (acc_unit / v_max))[:, None], input_precision=DOT_PRECISION)
+            acc_unit = v_max
+    return m_new, l_i, acc, acc_unit
+
+
+@triton.jit
+def _quantize_rows(x):
+    """x [M, D] -> (x / s as float8_e4m3fn, s [M] float32), s = amax(|x|) / 448 per row, as
+    attention.quantize_fp8 scales a head (the divisions rounded as torch's, so the tests can round q
+    exactly as the kernel does)."""
+    x = x.to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_AMAX), FP8_MAX)
+    return tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv), scale
 
 
 @triton.jit
@@ -147,6 +187,7 @@ def _decode_kernel(
     m_i = tl.full([G_PAD], NEG_INF, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
+    acc_unit = 1.0
     # One pipelined loop, the last (partial) tile included: run apart, unpipelined, an fp8 partial tile
     # made the kernel 1.2x slower over ragged contexts (BENCHMARKS.md, eighth session).
     for s in range(start, end, BLOCK_N):
@@ -154,8 +195,8 @@ def _decode_kernel(
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                           stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, True)
         kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, kv_mask,
-                                      sm_scale_log2, DOT_PRECISION, FP8)
+        m_i, l_i, acc, acc_unit = _softmax_step(q, None, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, kv_mask,
+                                                sm_scale_log2, DOT_PRECISION, FP8, FP8_COMPUTE)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 -> zeros
@@ -221,13 +262,17 @@ def _prefill_kernel(
     tok_offs = (q_start + i).to(tl.int64)[:, None]
     q = tl.load(q_ptr + tok_offs * stride_qt + head * stride_qh + d[None, :],
                 mask=(i < n_q)[:, None], other=0.0)  # [BLOCK_M, D]
-    if FP8:
+    q_scale = None
+    if FP8 and BLOCK_M >= 64:  # wgmma tiles: q k^T in fp8 (module docstring)
+        q, q_scale = _quantize_rows(q)
+    elif FP8:  # Triton's mma.sync would convert fp8 operands to fp16 anyway
         q = q.to(FP8_COMPUTE)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc_unit = 1.0
     # Keys < full_end are visible to every row of the tile; [full_end, kv_end) needs the causal mask.
     first = ctx - n_q + tile * BLOCK_M
     full_end = (first + 1) // BLOCK_N * BLOCK_N
@@ -236,18 +281,18 @@ def _prefill_kernel(
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                           stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, PAGED)
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, None, sm_scale_log2,
-                                      DOT_PRECISION, FP8)
+        m_i, l_i, acc, acc_unit = _softmax_step(q, q_scale, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, None,
+                                                sm_scale_log2, DOT_PRECISION, FP8, FP8_COMPUTE)
     for s in range(full_end, kv_end, BLOCK_N):
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, ctx, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                           stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, PAGED)
         # Keys past the context lie past every query's position (rows past n_q are not stored).
         causal = (s + tl.arange(0, BLOCK_N))[None, :] <= pos[:, None]
-        m_i, l_i, acc = _softmax_step(q, k, v, k_scale, v_scale, m_i, l_i, acc, causal, sm_scale_log2,
-                                      DOT_PRECISION, FP8)
+        m_i, l_i, acc, acc_unit = _softmax_step(q, q_scale, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, causal,
+                                                sm_scale_log2, DOT_PRECISION, FP8, FP8_COMPUTE)
 
-    out = acc / l_i[:, None]
+    out = acc * (acc_unit / l_i)[:, None]
     tl.store(out_ptr + tok_offs * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(i < n_q)[:, None])
 
@@ -467,7 +512,7 @@ def dequantized_prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_t
                                   groups, scale, workspace, *, out=None, **config):
     """paged_prefill_attention over an fp8 cache, by way of a workspace: each group of sequences' contexts
     is dequantized into workspace [2, capacity, KVH, D] (q's dtype), then attended to with the 16-bit
-    kernel (varlen_prefill_attention). The fp8 kernel converts every K/V tile in registers and stores it
+    kernel (varlen_prefill_attention). The fp8 kernel converts every V tile in registers and stores it
     back to shared memory for wgmma; from ~128 queries a sequence, the extra pass over the contexts costs
     less than that (attention.dequantizing_pays).
 
@@ -502,14 +547,17 @@ def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool, paged: bool) -> t
     """Default (block_m, block_n, num_stages) of the prefill kernel (num_warps follows block_m: 8 from
     128 x 128 elements a tile).
 
-    H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128; BENCHMARKS.md, seventh to ninth sessions): 64/64/4/3
-    was the best of 13 tiles at every shape over an fp8 cache (1.64-1.73x flash-attn's time on bf16,
-    against 1.98-2.24x with 128/128/8/2) and over plain 16-bit K/V (varlen_prefill_attention: 0.76x /
-    0.67x at 8 x 1,024 / 1 x 4,096 against 0.92x / 0.80x; 0.68-0.77x of 128/128/8/2's time over
-    dequantized prefixes). Over a paged 16-bit cache 128/128/8/2 is the best (1 x 4,096: 0.82x
-    flash-attn, 64/64/4/3 0.91x).
+    H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128; BENCHMARKS.md, seventh to ninth and twelfth sessions):
+    - over plain 16-bit K/V (varlen_prefill_attention), 64/64/4/3: 0.67-0.76x flash-attn's time, against
+      0.80-0.92x with 128/128/8/2;
+    - over a paged 16-bit cache, 128/128/8/2 (1 x 4,096: 0.82x flash-attn, 64/64/4/3 0.91x);
+    - over a paged fp8 cache, 64-row tiles (q k^T in fp8) take 128 keys: a 32 x 64-query chunk over 960
+      cached tokens 93 us against 100 with 64 keys (flash-attn on bf16: 71). Fewer queries take 16- or
+      32-row mma.sync tiles of 64 keys, as before q k^T was fp8 (64 x 16 queries: 0.93x flash-attn).
     """
     small = fp8 or not paged
     block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
     block_n = 64 if small or head_dim > 128 else 128
+    if fp8 and paged and block_m == 64 and head_dim <= 128:
+        block_n = 128
     return block_m, block_n, 3 if small else 2
