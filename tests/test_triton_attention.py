@@ -275,7 +275,10 @@ def test_prefill_fp8_rounds_queries_in_64_row_tiles(block_n):
     context_lens, q_lens = [150, 300, 61], [90, 44, 61]  # prefix + chunk (two query tiles), chunk, prompt
     _, _, out, ref = run_prefill(context_lens, q_lens, 32, 4, 2, 32, fp8=True, round_queries=True,
                                  block_m=64, block_n=block_n)
-    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    # The H200's fp8 MMA sums its products with fewer bits than float32: 2.6e-4 at most here (BENCHMARKS.md,
+    # twelfth session, call 3). The interpreter's are exact.
+    tolerance = 1e-3 if DEVICE == "cuda" else 1e-4
+    torch.testing.assert_close(out.double(), ref, atol=tolerance, rtol=tolerance)
     _, _, _, unrounded = run_prefill(context_lens, q_lens, 32, 4, 2, 32, fp8=True, block_m=16, block_n=32)
     # the price of rounding q, for N(0, 1) q, K and V at head_dim 32: 0.036 at most here
     assert (out.double() - unrounded).abs().max() < 0.05
@@ -363,7 +366,8 @@ def test_fp8_bf16_qwen3():
     assert (fp8.float() - exact.float()).abs().max() < 0.2
     lens, q_lens = [1000, 2048, 300], [1000, 512, 1]  # 64-row tiles: the queries are rounded to fp8
     _, _, fp8, ref = run_prefill(lens, q_lens, dtype=torch.bfloat16, fp8=True, round_queries=True, **QWEN3)
-    torch.testing.assert_close(fp8.double(), ref, atol=2e-2, rtol=2e-2)
+    # the fp8 MMA's sums (above): one element of 3.1M off by 0.027 where 15 keys are visible (call 3)
+    torch.testing.assert_close(fp8.double(), ref, atol=4e-2, rtol=2e-2)
     _, _, exact, _ = run_prefill(lens, q_lens, dtype=torch.bfloat16, **QWEN3)
     assert (fp8.float() - exact.float()).abs().max() < 0.2
     _, dequantized, ref = run_dequantized_prefill(lens, q_lens, capacity=4096, dtype=torch.bfloat16, **QWEN3)

@@ -73,7 +73,9 @@ def dequantizing_pays(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> bool:
     context token, sum_b n_q_b * ctx_b / sum_b ctx_b, against DEQUANT_MIN_QUERIES. H200, Qwen3-0.6B heads,
     ~1,000-2,000-token contexts (BENCHMARKS.md, ninth session, call 3), dequantizing + the 16-bit kernel
     against the fp8 kernel: 0.48x its time at 512 queries a sequence, 0.70x at 128, 0.99x at 64, 1.88x
-    at 16."""
+    at 16. Since the fp8 kernel's 64-row tiles multiply q k^T in fp8 (twelfth session, call 3): 0.79x at
+    512, 1.05x at 128, 1.46x at 64. The threshold stays: at 128 the two are within 5%, and this path
+    keeps q in 16 bits."""
     pairs = sum((cu_seqlens_q[b + 1] - cu_seqlens_q[b]) * (cu_seqlens_k[b + 1] - cu_seqlens_k[b])
                 for b in range(len(cu_seqlens_k) - 1))
     return pairs >= DEQUANT_MIN_QUERIES * cu_seqlens_k[-1]

@@ -18,12 +18,13 @@ flag leaves the 16-bit path untouched.
 
 Prefill tiles of 64 query rows and more (wgmma) over an fp8 cache instead round q to e4m3, with a scale
 per token and head as the cache has for K (_quantize_rows), and multiply q k^T in fp8 on the tiles as
-loaded: only V is converted. That made a 64-query chunk over 960 cached tokens 1.2x faster (H200,
-BENCHMARKS.md, twelfth session). The price is q's rounding, of the order of K's: for N(0, 1) q, K, V
-the output moves by up to 0.036 (tests/test_triton_attention.py), and on Qwen3-0.6B shapes the error
-against flash-attn on the bf16 cache went from 2.4e-2 to 3.1e-2 in that chunk. Smaller tiles use
-mma.sync, which would convert fp8 operands to fp16 anyway: they keep q in fp16. Decode keeps it too
-(its tiles are 16 rows).
+loaded: only V is converted. With 128-key tiles and the output accumulated in place (_softmax_step),
+a 64-query chunk over 960 cached tokens went from 120 to 81 us on the H200, 1.14x flash-attn's time
+on the bf16 cache (BENCHMARKS.md, twelfth session). The price is q's rounding, of the order of K's, and
+the fp8 MMA's sums, which keep fewer bits than float32: for N(0, 1) q, K, V the output moves by up to
+0.036 (tests/test_triton_attention.py), and on Qwen3-0.6B shapes the error against flash-attn on the
+bf16 cache went from 2.4e-2 to 3.1e-2 in that chunk. Smaller tiles use mma.sync, which would convert
+fp8 operands to fp16 anyway: they keep q in fp16. Decode keeps it too (its tiles are 16 rows).
 """
 
 import torch
@@ -551,9 +552,9 @@ def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool, paged: bool) -> t
     - over plain 16-bit K/V (varlen_prefill_attention), 64/64/4/3: 0.67-0.76x flash-attn's time, against
       0.80-0.92x with 128/128/8/2;
     - over a paged 16-bit cache, 128/128/8/2 (1 x 4,096: 0.82x flash-attn, 64/64/4/3 0.91x);
-    - over a paged fp8 cache, 64-row tiles (q k^T in fp8) take 128 keys: a 32 x 64-query chunk over 960
-      cached tokens 93 us against 100 with 64 keys (flash-attn on bf16: 71). Fewer queries take 16- or
-      32-row mma.sync tiles of 64 keys, as before q k^T was fp8 (64 x 16 queries: 0.93x flash-attn).
+    - over a paged fp8 cache, 64-row tiles (q k^T in fp8) take 128 keys: 1.06-1.14x flash-attn's time
+      on bf16 with a cached prefix (32 x 64 queries over 960 tokens: 81 us, 100 with 64 keys). Fewer
+      queries take 16- or 32-row mma.sync tiles of 64 keys (64 x 16 queries: 0.92x flash-attn).
     """
     small = fp8 or not paged
     block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
