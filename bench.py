@@ -172,6 +172,7 @@ def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
         print("(programmatic dependent launch: a kernel starts while the one before it runs, and its time includes "
               "that wait, so busy time may exceed wall time; NANOVLLM_PDL=0 gives additive kernel times)")
     print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+    print_time_added(prof.events(), steps)
     host = cProfile.Profile()
     host.enable()
     for _ in range(steps):
@@ -180,6 +181,28 @@ def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
     pstats.Stats(host).sort_stats("tottime").print_stats(12)
     while not llm.is_finished():
         llm.step()
+
+
+def print_time_added(events, steps: int, top: int = 15):
+    """What each kernel adds to the GPU's timeline, per step: its end minus the latest end before it (0 if
+    it ended earlier), summed by name; time in which the GPU ran nothing is "idle". With PDL a kernel's
+    own time includes its wait for the one before, so the profiler's table overlaps; these rows do not:
+    with idle they add up to the span, so they say which kernels a step is waiting on."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    added, calls, idle, last_end = {}, {}, 0.0, None
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        last_end = start if last_end is None else last_end
+        idle += max(0.0, start - last_end)
+        added[e.name] = added.get(e.name, 0.0) + max(0.0, end - max(start, last_end))
+        calls[e.name] = calls.get(e.name, 0) + 1
+        last_end = max(last_end, end)
+    span = (last_end - kernels[0].time_range.start) / steps if kernels else 0.0
+    print(f"time added per step (span {span:.1f} us, idle {idle / steps:.1f} us), by kernel:")
+    for name, us in sorted(added.items(), key=lambda item: -item[1])[:top]:
+        print(f"  {us / steps:8.1f} us  {calls[name] / steps:5.1f} calls  {name[:100]}")
 
 
 def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: int = 256, context: int = 1024,
