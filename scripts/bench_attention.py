@@ -6,7 +6,7 @@ flash-attn when it is importable.
     python scripts/bench_attention.py --sweep decode   # ...decode's only (or prefill's)
     python scripts/bench_attention.py --kv-cache-dtype fp8 --sweep dequant   # the fp8-prefix path's kernels
     python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
-    python scripts/bench_attention.py --prefill-only [--sweep prefill]   # no decode grid
+    python scripts/bench_attention.py --only prefill [--sweep prefill]   # no decode grid (or: --only decode)
 
 Qwen3-0.6B attention heads (H=16, KVH=8, D=128), bf16, 256-token pages, randomly permuted blocks.
 Decode runs a grid of batch x context, then ragged batches (contexts drawn uniformly, as the engine
@@ -335,7 +335,7 @@ def main():
                         help="also sweep launch configs (of both kernels, or of one; dequant: the fp8-prefix path)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the cache the Triton kernels read: bf16 (auto) or fp8 + per-token scales")
-    parser.add_argument("--prefill-only", action="store_true", help="skip the decode grid")
+    parser.add_argument("--only", choices=["decode", "prefill"], help="run one kernel's table only")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
@@ -345,9 +345,10 @@ def main():
          f"flash_attn: {fa}")
     copy_bw = copy_bandwidth()
     cache = Cache(max(BATCHES) * max(CONTEXTS), fp8=args.kv_cache_dtype == "fp8")
-    if not args.prefill_only:
+    if args.only != "prefill":
         run_decode(cache, copy_bw)
-    run_prefill(cache)
+    if args.only != "decode":
+        run_prefill(cache)
     if args.sweep:
         sweep(cache, copy_bw, args.sweep)
     emit(f"total {time.time() - start:.0f} s")
