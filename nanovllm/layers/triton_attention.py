@@ -160,15 +160,18 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid (B, KVH, NUM_SPLITS): the G query heads of one kv head over one split of the context, of
-    sequence order[program_id(0)] if ORDERED, else program_id(0)."""
+    """Grid (KVH, B, NUM_SPLITS): the G query heads of kv head program_id(0) over one split of the context,
+    of sequence order[program_id(1)] if ORDERED, else program_id(1). The kv head varies fastest, so the
+    GPU takes up a sequence's kv heads together and reads each block's K and V (a token's K heads are
+    contiguous) within a short time, not in eight passes over the batch: 2-6% faster than a (B, KVH)
+    grid from batch 128, likely by DRAM locality (H200, BENCHMARKS.md, twelfth session, call 5)."""
     if PDL:  # launched while the KV store runs; read nothing before it has finished
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    seq = tl.program_id(0)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     if ORDERED:
         seq = tl.load(order_ptr + seq)
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
@@ -204,7 +207,7 @@ def _decode_kernel(
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_mask)
     else:  # partials: m, l [B, H, NUM_SPLITS], acc [B, H, NUM_SPLITS, D], float32, contiguous
-        row = (seq * tl.num_programs(1) * G + heads) * NUM_SPLITS + split  # [G_PAD]
+        row = (seq * tl.num_programs(0) * G + heads) * NUM_SPLITS + split  # [G_PAD]
         tl.store(m_ptr + row, m_i, mask=g < G)
         tl.store(l_ptr + row, l_i, mask=g < G)
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=head_mask)
@@ -395,7 +398,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_max = part_sum = part_acc = out  # unused
     strides = _paged_strides(k_cache, v_cache, k_scale, block_tables)
     pdl = pdl_enabled(q.device)
-    _decode_kernel[(B, kvh, num_splits)](
+    _decode_kernel[(kvh, B, num_splits)](
         q, k_cache, v_cache, *_scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens,
         context_lens if order is None else order, out, part_acc, part_max, part_sum, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
