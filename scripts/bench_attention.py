@@ -33,8 +33,11 @@ import torch
 import triton
 from gpu_timing import bench, copy_bandwidth, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.layers import attention  # quantize_cache_fp8
-from nanovllm.layers import triton_attention as ta
+from nanovllm.layers import (
+    attention,  # quantize_cache_fp8
+    triton_decode,
+    triton_prefill,
+)
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -126,13 +129,13 @@ def decode_bytes(lens, token_bytes=2 * KVH * D * DTYPE.itemsize):
 
 def decode_row(cache, batch, ctx, copy_bw, longest=None, longest_first=False):
     q, tables, lens = decode_inputs(cache, batch, ctx, longest, longest_first)
-    fn = lambda: ta.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales)
+    fn = lambda: triton_decode.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales)
     out = fn()
     err_ref = max((out[b].float() - reference(q[b:b + 1], cache, tables[b], int(lens[b]))[0]).abs().max().item()
                   for b in sorted({0, batch // 2, batch - 1}))
     t = bench(fn)
     bw = decode_bytes(lens, cache.token_bytes) / (t * 1e-3)
-    splits = ta._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
+    splits = triton_decode._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
     fa_cols, err_fa = f"{'-':>8} {'-':>7} {'-':>6}", "-"
     if flash_attn_with_kvcache is not None:
         fa = lambda: flash_attn_with_kvcache(q.unsqueeze(1), cache.k, cache.v, cache_seqlens=lens,
@@ -172,8 +175,8 @@ def prefill_flops(n_seq, prefix, n_q):
 
 def prefill_row(cache, name, n_seq, prefix, n_q, config):
     q, tables, cu_q, cu_k, lens = prefill_inputs(cache, n_seq, prefix, n_q)
-    fn = lambda: ta.paged_prefill_attention(q, *cache.kv, tables, cu_q, lens, n_q, SCALE, **cache.scales,
-                                            **config)
+    fn = lambda: triton_prefill.paged_prefill_attention(q, *cache.kv, tables, cu_q, lens, n_q, SCALE,
+                                                        **cache.scales, **config)
     out = fn()
     err_ref = max((out[b * n_q:(b + 1) * n_q].float()
                    - reference(q[b * n_q:(b + 1) * n_q], cache, tables[b], prefix + n_q)).abs().max().item()
@@ -191,10 +194,10 @@ def prefill_row(cache, name, n_seq, prefix, n_q, config):
     t_var = None
     if prefix == 0:  # what the engine runs without a cached prefix: attention over the new bf16 K/V
         k, v = (torch.randn(n_seq * n_q, KVH, D, dtype=DTYPE, device=DEV) for _ in range(2))
-        t_var = bench(lambda: ta.varlen_prefill_attention(q, k, v, cu_q, n_q, SCALE, **config))
+        t_var = bench(lambda: triton_prefill.varlen_prefill_attention(q, k, v, cu_q, n_q, SCALE, **config))
     elif cache.fp8:  # the fp8 prefix dequantized into a workspace
         workspace, groups = dequant_workspace(cu_q, cu_k)
-        dequantized = lambda: ta.dequantized_prefill_attention(
+        dequantized = lambda: triton_prefill.dequantized_prefill_attention(
             q, *cache.kv, cache.scales["k_scale"], cache.scales["v_scale"], tables, cu_q, cu_k, groups, SCALE,
             workspace, **config)
         err_dq = (dequantized() - out).abs().max().item()
@@ -219,8 +222,8 @@ def dequant_workspace(cu_q, cu_k):
 def dequantize_all(cache, tables, cu_k, groups, workspace, **config):
     """The dequantization kernels of dequantized_prefill_attention alone."""
     for first, end, _, max_seqlen_k in groups:
-        ta.dequantize_paged_kv(*cache.kv, cache.scales["k_scale"], cache.scales["v_scale"], tables, cu_k,
-                               (first, end), max_seqlen_k, workspace, **config)
+        triton_prefill.dequantize_paged_kv(*cache.kv, cache.scales["k_scale"], cache.scales["v_scale"], tables, cu_k,
+                                           (first, end), max_seqlen_k, workspace, **config)
 
 
 def run_prefill(cache, **config):
@@ -248,11 +251,11 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
     """(block_n, num_warps, num_stages) at the default split count, then split counts with the best.
     Contexts all ctx long, or uniform in [ctx, longest]."""
     q, tables, lens = decode_inputs(cache, batch, ctx, longest)
-    default = ta._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
+    default = triton_decode._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
 
     def tbps(bn, w, s, splits):
-        fn = lambda: ta.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales,
-                                               num_splits=splits, block_n=bn, num_warps=w, num_stages=s)
+        fn = lambda: triton_decode.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales,
+                                                          num_splits=splits, block_n=bn, num_warps=w, num_stages=s)
         try:
             fn()
             return decode_bytes(lens, cache.token_bytes) / (bench(fn, quick=True) * 1e-3) / 1e12
@@ -265,7 +268,7 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
         if (*best, splits) not in results:
             results[(*best, splits)] = tbps(*best, splits)
     ranked = sorted(((v, k) for k, v in results.items() if isinstance(v, float)), reverse=True)
-    tile = ta._decode_tile(D, cache.fp8)  # the kernel's default, one of the swept tiles
+    tile = triton_decode._decode_tile(D, cache.fp8)  # the kernel's default, one of the swept tiles
     base = results[(*tile, default)]
     if isinstance(base, float):
         base = f"{base:.2f} TB/s = {100 * base * 1e12 / copy_bw:.0f}% of copy"
@@ -283,8 +286,8 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
 def varlen_over_workspace(q, cu_q, cu_k, groups, workspace, **config):
     """The 16-bit prefill kernels of dequantized_prefill_attention alone."""
     for first, end, max_seqlen_q, _ in groups:
-        ta.varlen_prefill_attention(q, workspace[0], workspace[1], cu_q, max_seqlen_q, SCALE, cu_seqlens_k=cu_k,
-                                    seqs=(first, end), **config)
+        triton_prefill.varlen_prefill_attention(q, workspace[0], workspace[1], cu_q, max_seqlen_q, SCALE,
+                                                cu_seqlens_k=cu_k, seqs=(first, end), **config)
 
 
 def sweep_dequant(cache):

@@ -47,21 +47,21 @@ def configurations():
     import triton.language as tl
 
     fp16 = dict(FP8_COMPUTE=tl.float16)
-    attention = "nanovllm.layers.triton_attention"
+    decode, prefill = "nanovllm.layers.triton_decode", "nanovllm.layers.triton_prefill"
     qk_norm_rope = "nanovllm.layers.qk_norm_rope"
     filters = "nanovllm.layers.sampling_filters"
     return {
-        "decode bf16": (attention, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
-        "decode fp8": (attention, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
+        "decode bf16": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
+        "decode fp8": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                        merge(DECODE, fp16, FP8_V, {"BLOCK_N": 128, "NUM_SPLITS": 1})),
-        "decode reduce": (attention, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [],
+        "decode reduce": (decode, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [],
                           dict(D=128, NUM_SPLITS=4, PDL=True)),
-        "prefill bf16": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
-        "prefill fp8": (attention, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
+        "prefill bf16": (prefill, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
+        "prefill fp8": (prefill, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                         merge(PREFILL, fp16, FP8_V, {"BLOCK_M": 64, "BLOCK_N": 128})),
-        "prefill varlen": (attention, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"],
+        "prefill varlen": (prefill, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"],
                            merge(PREFILL, fp16, VARLEN)),
-        "dequantize fp8": (attention, "_dequantize_kernel",
+        "dequantize fp8": (prefill, "_dequantize_kernel",
                            {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "k_out_ptr": "*bf16", "v_out_ptr": "*bf16",
                             "block_tables_ptr": "*i32", "cu_seqlens_k_ptr": "*i32"}, [],
                            dict(D=128, PAGE=256, BLOCK_N=64, stride_vt=1)),

@@ -126,11 +126,11 @@ def test_fp8_greedy_tokens_mostly_agree(runs):
 def test_fp8_chunked_prefill_dequantizes_the_prefix(tiny_model, monkeypatch):
     """A prompt prefilled in chunks of 150 over an fp8 cache: on the Triton backend the second chunk
     attends over the first through the dequantization workspace, and gives the torch backend's tokens."""
-    from nanovllm.layers import triton_attention
+    from nanovllm.layers import triton_prefill
 
     calls = []
-    dequantize = triton_attention.dequantized_prefill_attention
-    monkeypatch.setattr(triton_attention, "dequantized_prefill_attention",
+    dequantize = triton_prefill.dequantized_prefill_attention
+    monkeypatch.setattr(triton_prefill, "dequantized_prefill_attention",
                         lambda *args, **kwargs: calls.append(args[8]) or dequantize(*args, **kwargs))
     prompt = list(range(3, 303))
     options = {**OPTIONS, "max_model_len": 512}

@@ -16,7 +16,7 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from nanovllm.layers import triton_attention as ta  # noqa: E402
+from nanovllm.layers import triton_decode, triton_prefill  # noqa: E402
 from nanovllm.layers.attention import quantize_cache_fp8, quantize_fp8, v_token_major, workspace_groups  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,7 +87,7 @@ def run_decode(context_lens, block_size, h, kvh, d, dtype=torch.float32, fp8=Fal
     q = torch.randn(len(context_lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     out = torch.full_like(q, float("nan"))
     scale = d ** -0.5
-    ta.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, **kwargs)
+    triton_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, **kwargs)
     refs = [reference(q[b:b + 1], ref_k, ref_v, tables[b], n, scale)[0] if n > 0 else None
             for b, n in enumerate(context_lens)]
     return q, (k_cache, v_cache, tables, lens, scale), out, refs
@@ -142,11 +142,11 @@ def test_decode_padding_rows_only():
 
 def test_decode_num_splits_heuristic():
     dev = torch.device("cpu")
-    assert ta._decode_num_splits(256, 8, 1024, dev) == 1
-    assert ta._decode_num_splits(1, 8, 64, dev) == 1
-    assert ta._decode_num_splits(1, 8, 4096, dev) == 32  # >= 128 keys per split
-    assert ta._decode_num_splits(8, 8, 4096, dev) == 8  # 512 programs on 132 SMs
-    assert ta._decode_num_splits(64, 8, 4096, dev) == 1
+    assert triton_decode._decode_num_splits(256, 8, 1024, dev) == 1
+    assert triton_decode._decode_num_splits(1, 8, 64, dev) == 1
+    assert triton_decode._decode_num_splits(1, 8, 4096, dev) == 32  # >= 128 keys per split
+    assert triton_decode._decode_num_splits(8, 8, 4096, dev) == 8  # 512 programs on 132 SMs
+    assert triton_decode._decode_num_splits(64, 8, 4096, dev) == 1
 
 
 def rounded_to_fp8(q):
@@ -178,8 +178,8 @@ def run_prefill(context_lens, q_lens, block_size, h, kvh, d, dtype=torch.float32
                 **kwargs):
     q, k_cache, v_cache, scales, tables, cu, lens, scale, out, ref = prefill_case(
         context_lens, q_lens, block_size, h, kvh, d, dtype, fp8, round_queries)
-    ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, max(q_lens), scale, out=out, **scales,
-                               **kwargs)
+    triton_prefill.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, max(q_lens), scale, out=out,
+                                           **scales, **kwargs)
     return q, (k_cache, v_cache, tables, cu, lens, scale), out, ref
 
 
@@ -214,7 +214,7 @@ def run_varlen_prefill(seq_lens, h, kvh, d, dtype=torch.float32, **kwargs):
     cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     scale = d ** -0.5
-    ta.varlen_prefill_attention(q, k, v, cu, max(seq_lens), scale, out=out, **kwargs)
+    triton_prefill.varlen_prefill_attention(q, k, v, cu, max(seq_lens), scale, out=out, **kwargs)
     ref = torch.cat([reference(q[cu[b]:cu[b + 1]], k[None, cu[b]:cu[b + 1]], v[None, cu[b]:cu[b + 1]],
                                torch.zeros(1, dtype=torch.int64, device=DEVICE), n, scale)
                      for b, n in enumerate(seq_lens) if n > 0])
@@ -292,8 +292,8 @@ def run_dequantized_prefill(context_lens, q_lens, block_size, h, kvh, d, capacit
     cu_k = torch.tensor([0, *lens.cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     groups = workspace_groups(cu_q.tolist(), cu_k.tolist(), capacity)
     workspace = torch.full((2, capacity, kvh, d), float("nan"), dtype=dtype, device=DEVICE)
-    ta.dequantized_prefill_attention(q, k8, v8, scales["k_scale"], scales["v_scale"], tables, cu_q, cu_k, groups,
-                                     scale, workspace, out=out)
+    triton_prefill.dequantized_prefill_attention(q, k8, v8, scales["k_scale"], scales["v_scale"], tables, cu_q,
+                                                 cu_k, groups, scale, workspace, out=out)
     return groups, out, ref
 
 
@@ -384,7 +384,7 @@ def test_fp8_values_far_from_one(v_magnitude):
     k_cache, v_cache, tables, ctx = make_cache(lens, 256, 8, 128)
     k8, v8, scales, ref_k, ref_v = fp8_cache(k_cache, v_cache * v_magnitude)
     q = torch.randn(len(lens), 16, 128, device=DEVICE).to(torch.bfloat16)
-    out = ta.paged_decode_attention(q, k8, v8, tables, ctx, 128 ** -0.5, **scales)
+    out = triton_decode.paged_decode_attention(q, k8, v8, tables, ctx, 128 ** -0.5, **scales)
     for b, n in enumerate(lens):
         ref = reference(q[b:b + 1], ref_k, ref_v, tables[b], n, 128 ** -0.5)[0]
         torch.testing.assert_close(out[b].double() / v_magnitude, ref / v_magnitude, atol=2e-2, rtol=2e-2)
@@ -392,7 +392,7 @@ def test_fp8_values_far_from_one(v_magnitude):
     q_lens = [1, 100, 64]
     q = torch.randn(sum(q_lens), 16, 128, device=DEVICE).to(torch.bfloat16)
     cu = torch.tensor([0, 1, 101, 165], dtype=torch.int32, device=DEVICE)
-    out = ta.paged_prefill_attention(q, k8, v8, tables, cu, ctx, 100, 128 ** -0.5, **scales)
+    out = triton_prefill.paged_prefill_attention(q, k8, v8, tables, cu, ctx, 100, 128 ** -0.5, **scales)
     for b, n in enumerate(lens):
         ref = reference(rounded_to_fp8(q[cu[b]:cu[b + 1]]), ref_k, ref_v, tables[b], n, 128 ** -0.5)
         torch.testing.assert_close(out[cu[b]:cu[b + 1]].double() / v_magnitude, ref / v_magnitude, atol=2e-2,

@@ -60,7 +60,7 @@ class AttentionMetadata:
     # Decode on the Triton backend: [num_seqs] int32, the rows longest context first, the order in which the
     # decode kernel takes them up (a ragged batch then does not end on a few long rows).
     decode_order: torch.Tensor | None = None
-    # Prefill over an fp8 cache's prefix (Triton backend, triton_attention): [2, capacity, kv_heads, head_dim]
+    # Prefill over an fp8 cache's prefix (Triton backend, triton_prefill): [2, capacity, kv_heads, head_dim]
     # in the model dtype, and the runs of sequences whose contexts it holds at once (workspace_groups).
     dequant_workspace: torch.Tensor | None = None
     dequant_groups: list[SeqGroup] | None = None
@@ -68,7 +68,7 @@ class AttentionMetadata:
 
 def dequantizing_pays(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> bool:
     """Whether a prefill step over an fp8 prefix should go through the dequantization workspace
-    (triton_attention.dequantized_prefill_attention). Dequantizing costs a pass over every context token;
+    (triton_prefill.dequantized_prefill_attention). Dequantizing costs a pass over every context token;
     the 16-bit kernel then saves time per (query, key) pair. So the measure is the step's queries per
     context token, sum_b n_q_b * ctx_b / sum_b ctx_b, against DEQUANT_MIN_QUERIES. H200, Qwen3-0.6B heads,
     ~1,000-2,000-token contexts (BENCHMARKS.md, ninth session, call 3), dequantizing + the 16-bit kernel
@@ -277,9 +277,9 @@ def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
 def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                      k_scale=None, v_scale=None) -> torch.Tensor:
-    from nanovllm.layers.triton_attention import (
+    from nanovllm.layers.triton_decode import paged_decode_attention
+    from nanovllm.layers.triton_prefill import (
         dequantized_prefill_attention,
-        paged_decode_attention,
         paged_prefill_attention,
         varlen_prefill_attention,
     )

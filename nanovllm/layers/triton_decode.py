@@ -1,0 +1,171 @@
+"""Triton paged decode attention: one query per sequence over its paged KV cache, the G query heads of a
+kv head in one program (GQA), split-K over long contexts with a merge pass. The cache layouts and the fp8
+scheme: triton_attention.py."""
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers.triton_attention import (
+    LOG2E,
+    NEG_INF,
+    check_args,
+    fp8_compute_dtype,
+    load_kv,
+    paged_strides,
+    scale_ptrs,
+    softmax_step,
+)
+from nanovllm.utils.device import num_sms, pdl_enabled
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, order_ptr, out_ptr, acc_ptr,
+    m_ptr, l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
+    ORDERED: tl.constexpr, PDL: tl.constexpr,
+):
+    """Grid (KVH, B, NUM_SPLITS): the G query heads of kv head program_id(0) over one split of the context,
+    of sequence order[program_id(1)] if ORDERED, else program_id(1). The kv head varies fastest, so the
+    GPU takes up a sequence's kv heads together and reads each block's K and V (a token's K heads are
+    contiguous) within a short time, not in eight passes over the batch: 2-6% faster than a (B, KVH)
+    grid from batch 128, likely by DRAM locality (H200, BENCHMARKS.md, twelfth session, call 5)."""
+    if PDL:  # launched while the KV store runs; read nothing before it has finished
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    if ORDERED:
+        seq = tl.load(order_ptr + seq)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    heads = kv_head * G + g  # [G_PAD]
+    head_mask = (g < G)[:, None]
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=head_mask, other=0.0)  # [G_PAD, D]
+    if FP8:
+        q = q.to(FP8_COMPUTE)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([G_PAD], NEG_INF, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    acc_unit = 1.0
+    # One pipelined loop, the last (partial) tile included: run apart, unpipelined, an fp8 partial tile
+    # made the kernel 1.2x slower over ragged contexts (BENCHMARKS.md, eighth session).
+    for s in range(start, end, BLOCK_N):
+        k, v, k_scale, v_scale = load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                          stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, True)
+        kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
+        m_i, l_i, acc, acc_unit = softmax_step(q, None, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, kv_mask,
+                                                sm_scale_log2, DOT_PRECISION, FP8, FP8_COMPUTE)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 -> zeros
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_mask)
+    else:  # partials: m, l [B, H, NUM_SPLITS], acc [B, H, NUM_SPLITS, D], float32, contiguous
+        row = (seq * tl.num_programs(0) * G + heads) * NUM_SPLITS + split  # [G_PAD]
+        tl.store(m_ptr + row, m_i, mask=g < G)
+        tl.store(l_ptr + row, l_i, mask=g < G)
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
+                          D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """Grid (B, H): merge the NUM_SPLITS partial softmaxes of one (sequence, head)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s  # [NUM_SPLITS]
+    m = tl.load(m_ptr + row)
+    w = tl.exp2(m - tl.max(m, 0))  # [NUM_SPLITS]
+    denom = tl.sum(w * tl.load(l_ptr + row), 0)
+    acc = tl.load(acc_ptr + row[:, None] * D + tl.arange(0, D)[None, :])  # [NUM_SPLITS, D]
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
+
+
+def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Power-of-two split count: up to ~4 programs per SM, keeping >= 128 keys per split."""
+    splits, target = 1, 4 * num_sms(device)
+    while batch * num_kv_heads * splits * 2 <= target and splits * 256 <= max_context and splits < 64:
+        splits *= 2
+    return splits
+
+
+def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
+    """Default (block_n, num_warps, num_stages) of the decode kernel.
+
+    fp8: H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128, 256-token pages), 128/4/2 was the best tile at
+    every large shape, before and after V went token-contiguous: B=256 ctx=1024 3.05 TB/s (72% of copy
+    bandwidth; 128/4/3 and 128/4/4 the same), B=32 ctx=2048 2.38 at 2 splits, B=8 ctx=4096 1.71 at 8
+    splits. The bf16 cache keeps 64/4/3.
+    """
+    if fp8:  # a tile may span pages (then each token looks up its block id)
+        return 128, 4, 2
+    return min(64, max(16, 8192 // head_dim)), 4, 3
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None, v_scale=None,
+                           order=None, out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None):
+    """Single-token attention of each sequence over its paged KV cache.
+
+    q: [B, H, D], the query at position context_lens[b] - 1 (its K/V already in the cache).
+    k_cache, v_cache: [num_blocks, block_size, KVH, D] (an fp8 v_cache [num_blocks, KVH, D, block_size]);
+    block_tables: int32 [B, max_blocks]; context_lens: int32 [B] (0 = padding row: output zeros, no KV
+    read). Returns [B, H, D] in q.dtype.
+    k_scale, v_scale: [num_blocks, KVH, block_size] float32, given iff the cache is float8_e4m3fn.
+    order: optional int32 [B], a permutation of the rows: the order in which the GPU takes them up. Longest
+    context first (AttentionMetadata.decode_order), a ragged batch does not end on a few long rows.
+    out: optional [B, H, D] destination. num_splits (a power of two), block_n, num_warps and
+    num_stages override the launch heuristics (_decode_num_splits, _decode_tile).
+    """
+    B, H, D = q.shape
+    _, page, kvh, _ = k_cache.shape
+    precision = check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out)
+    out = torch.empty_like(q) if out is None else out
+    if B == 0:
+        return out
+    G = H // kvh
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    default_n, default_warps, default_stages = _decode_tile(D, fp8)
+    block_n, num_warps, num_stages = block_n or default_n, num_warps or default_warps, num_stages or default_stages
+    if num_splits is None:
+        num_splits = _decode_num_splits(B, kvh, block_tables.shape[1] * page, q.device)
+    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    if num_splits > 1:  # per-split running max, sum and unnormalized output
+        part_max = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
+    else:
+        part_max = part_sum = part_acc = out  # unused
+    strides = paged_strides(k_cache, v_cache, k_scale, block_tables)
+    pdl = pdl_enabled(q.device)
+    _decode_kernel[(kvh, B, num_splits)](
+        q, k_cache, v_cache, *scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens,
+        context_lens if order is None else order, out, part_acc, part_max, part_sum, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=fp8_compute_dtype(q),
+        ORDERED=order is not None, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+                                      D=D, NUM_SPLITS=num_splits, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out
