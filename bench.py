@@ -183,24 +183,30 @@ def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
         llm.step()
 
 
-def print_time_added(events, steps: int, top: int = 15):
-    """What each kernel adds to the GPU's timeline, per step: its end minus the latest end before it (0 if
-    it ended earlier), summed by name; time in which the GPU ran nothing is "idle". With PDL a kernel's
-    own time includes its wait for the one before, so the profiler's table overlaps; these rows do not:
-    with idle they add up to the span, so they say which kernels a step is waiting on."""
-    from torch.autograd import DeviceType
-
-    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+def time_added(kernels: list[tuple[str, float, float]]) -> tuple[float, float, dict[str, float], dict[str, int]]:
+    """What each kernel (name, start, end) adds to the GPU's timeline: its end minus the latest end before
+    it (0 if it ended earlier), summed by name, with the calls by name; and the time in which the GPU ran
+    nothing (idle) and the whole span. With PDL a kernel's own time includes its wait for the one before,
+    so the profiler's table overlaps; these sums do not: with idle they add up to the span, so they say
+    which kernels a step is waiting on."""
     added, calls, idle, last_end = {}, {}, 0.0, None
-    for e in kernels:
-        start, end = e.time_range.start, e.time_range.end
+    for name, start, end in sorted(kernels, key=lambda kernel: kernel[1]):
         last_end = start if last_end is None else last_end
         idle += max(0.0, start - last_end)
-        added[e.name] = added.get(e.name, 0.0) + max(0.0, end - max(start, last_end))
-        calls[e.name] = calls.get(e.name, 0) + 1
+        added[name] = added.get(name, 0.0) + max(0.0, end - max(start, last_end))
+        calls[name] = calls.get(name, 0) + 1
         last_end = max(last_end, end)
-    span = (last_end - kernels[0].time_range.start) / steps if kernels else 0.0
-    print(f"time added per step (span {span:.1f} us, idle {idle / steps:.1f} us), by kernel:")
+    span = last_end - min(start for _, start, _ in kernels) if kernels else 0.0
+    return span, idle, added, calls
+
+
+def print_time_added(events, steps: int, top: int = 15):
+    """time_added of the profiler's GPU events, per step, the largest first."""
+    from torch.autograd import DeviceType
+
+    span, idle, added, calls = time_added([(e.name, e.time_range.start, e.time_range.end) for e in events
+                                           if e.device_type == DeviceType.CUDA])
+    print(f"time added per step (span {span / steps:.1f} us, idle {idle / steps:.1f} us), by kernel:")
     for name, us in sorted(added.items(), key=lambda item: -item[1])[:top]:
         print(f"  {us / steps:8.1f} us  {calls[name] / steps:5.1f} calls  {name[:100]}")
 

@@ -1,0 +1,17 @@
+"""bench.py's arithmetic that needs no GPU."""
+
+from bench import time_added
+
+
+def test_time_added_counts_overlapped_kernels_once():
+    # a: 0-10; b launched early (PDL) at 2, ends 14: adds 4; c inside b: adds 0; idle 14-20; d: 20-25
+    kernels = [("b", 2.0, 14.0), ("a", 0.0, 10.0), ("c", 5.0, 12.0), ("d", 20.0, 25.0), ("a", 30.0, 31.0)]
+    span, idle, added, calls = time_added(kernels)
+    assert span == 31.0 and idle == 6.0 + 5.0
+    assert added == {"a": 11.0, "b": 4.0, "c": 0.0, "d": 5.0}
+    assert calls == {"a": 2, "b": 1, "c": 1, "d": 1}
+    assert sum(added.values()) + idle == span
+
+
+def test_time_added_of_nothing():
+    assert time_added([]) == (0.0, 0.0, {}, {})
