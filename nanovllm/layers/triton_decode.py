@@ -112,8 +112,9 @@ def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
     """Default (block_n, num_warps, num_stages) of the decode kernel.
 
     fp8: H200 sweeps of 2026-11-30 (H=16, KVH=8, D=128, 256-token pages), 128/4/2 was the best tile at
-    every large shape, before and after V went token-contiguous: B=256 ctx=1024 3.05 TB/s (72% of copy
-    bandwidth; 128/4/3 and 128/4/4 the same), B=32 ctx=2048 2.38 at 2 splits, B=8 ctx=4096 1.71 at 8
+    every large shape, before and after V went token-contiguous and the grid went (KVH, B). Last sweep
+    (BENCHMARKS.md, twelfth session, call 7): B=256 ctx=1024 3.73 TB/s (88% of copy bandwidth; 128/4/4
+    3.72, 128/4/3 3.71), B=256 ctx 100-1124 3.08, B=32 ctx=2048 2.65 at 2 splits, B=8 ctx=4096 1.94 at 8
     splits. The bf16 cache keeps 64/4/3.
     """
     if fp8:  # a tile may span pages (then each token looks up its block id)
