@@ -249,7 +249,6 @@ def _prefill_tile(head_dim: int, max_seqlen_q: int, fp8: bool, paged: bool) -> t
     """
     small = fp8 or not paged
     block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_seqlen_q)))
-    block_n = 64 if small or head_dim > 128 else 128
-    if fp8 and paged and block_m == 64 and head_dim <= 128:
-        block_n = 128
-    return block_m, block_n, 3 if small else 2
+    # 128 keys: the paged 16-bit tiles, and the fp8 tiles of 64 rows (q k^T in fp8)
+    wide = paged and (not fp8 or block_m == 64) and head_dim <= 128
+    return block_m, 128 if wide else 64, 3 if small else 2
