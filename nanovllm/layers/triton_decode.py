@@ -16,7 +16,44 @@ from nanovllm.layers.triton_attention import (
     scale_ptrs,
     softmax_step,
 )
-from nanovllm.utils.device import num_sms, pdl_enabled
+from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
+
+
+@triton.jit
+def _prefetch_runs(ptr, block_table, start, end, stride_b, stride_t, head_offset, cols,
+                   RUN: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Prefetch into L2 what one paged tensor holds of a tile's tokens start..end-1 (at most BLOCK_N): one
+    token of each aligned run of RUN (a run's tokens share their lines), at offsets `cols` from its row."""
+    tok = tl.minimum(start + tl.arange(0, BLOCK_N // RUN) * RUN, end - 1)
+    blk = tl.load(block_table + tok // PAGE).to(tl.int64)
+    rows = blk * stride_b + (tok % PAGE) * stride_t + head_offset
+    prefetch_to_l2(ptr + rows[:, None] + cols[None, :])
+
+
+@triton.jit
+def _prefetch_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, start, end, kv_head,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh,
+                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+    """Prefetch into L2 the K/V tile (and fp8 scales) of tokens start..end-1 that load_kv reads first."""
+    LINE: tl.constexpr = 1024 // k_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line holds
+    if D >= LINE:  # a line every LINE elements of a token's head
+        head_lines = tl.arange(0, D // LINE) * LINE
+    else:
+        head_lines = tl.arange(0, 1)
+    _prefetch_runs(k_ptr, block_table, start, end, stride_kb, stride_kt, kv_head * stride_kh, head_lines,
+                   1, BLOCK_N, PAGE)
+    if FP8:  # V's tokens contiguous: a line holds up to 128 tokens of one dim; the scales 32 tokens
+        V_RUN: tl.constexpr = min(PAGE, BLOCK_N, 128)
+        S_RUN: tl.constexpr = min(PAGE, BLOCK_N, 32)
+        _prefetch_runs(v_ptr, block_table, start, end, stride_vb, stride_vt, kv_head * stride_vh,
+                       tl.arange(0, D) * stride_vd, V_RUN, BLOCK_N, PAGE)
+        _prefetch_runs(k_scale_ptr, block_table, start, end, stride_sb, 1, kv_head * stride_sh, tl.arange(0, 1),
+                       S_RUN, BLOCK_N, PAGE)
+        _prefetch_runs(v_scale_ptr, block_table, start, end, stride_sb, 1, kv_head * stride_sh, tl.arange(0, 1),
+                       S_RUN, BLOCK_N, PAGE)
+    else:
+        _prefetch_runs(v_ptr, block_table, start, end, stride_vb, stride_vt, kv_head * stride_vh,
+                       head_lines * stride_vd, 1, BLOCK_N, PAGE)
 
 
 @triton.jit
@@ -26,16 +63,20 @@ def _decode_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
-    ORDERED: tl.constexpr, PDL: tl.constexpr,
+    ORDERED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Grid (KVH, B, NUM_SPLITS): the G query heads of kv head program_id(0) over one split of the context,
     of sequence order[program_id(1)] if ORDERED, else program_id(1). The kv head varies fastest, so the
     GPU takes up a sequence's kv heads together and reads each block's K and V (a token's K heads are
     contiguous) within a short time, not in eight passes over the batch: 2-6% faster than a (B, KVH)
-    grid from batch 128, likely by DRAM locality (H200, BENCHMARKS.md, twelfth session, call 5)."""
-    if PDL:  # launched while the KV store runs; read nothing before it has finished
+    grid from batch 128, likely by DRAM locality (H200, BENCHMARKS.md, twelfth session, call 5).
+
+    With PDL the kernel is launched while the q/k norm + RoPE kernel before it still runs and stores this
+    step's K/V. Until gdc_wait it reads only what the host wrote before the step (context lengths, order,
+    block tables); with PREFETCH it also asks L2 for its first tile of K/V, whose stale lines the store
+    then overwrites in L2, the GPU's point of coherence."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if ORDERED:
@@ -45,6 +86,14 @@ def _decode_kernel(
     per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if PDL:
+        if PREFETCH:
+            if start < end:
+                _prefetch_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, start, end, kv_head,
+                               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                               stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8)
+        tl.extra.cuda.gdc_wait()
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
@@ -54,7 +103,6 @@ def _decode_kernel(
                 mask=head_mask, other=0.0)  # [G_PAD, D]
     if FP8:
         q = q.to(FP8_COMPUTE)
-    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([G_PAD], NEG_INF, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -164,6 +212,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=fp8_compute_dtype(q),
         ORDERED=order is not None, PDL=pdl,
+        # Small grids (decode of a few sequences) start at once, all overlapping the kernel before.
+        PREFETCH=kvh * B * num_splits <= 2 * num_sms(q.device),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

@@ -1,9 +1,11 @@
-"""Facts about the device that kernel launches need."""
+"""Facts about the device that kernel launches need, and the PTX helpers the kernels share."""
 
 import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 @functools.cache
@@ -26,3 +28,11 @@ def pdl_enabled(device: torch.device) -> bool:
     (gdc_launch_dependents). Each decode kernel's launch latency, and the skinny GEMM's first weight
     reads, then overlap the kernel before. NANOVLLM_PDL=0 in the environment turns it off."""
     return device.type == "cuda" and os.environ.get("NANOVLLM_PDL", "1") != "0" and _pdl_capable(device)
+
+
+@triton.jit
+def prefetch_to_l2(ptrs):
+    """Start fetching the 128-byte lines holding ptrs into L2 (no register is written). With PDL a kernel
+    prefetches, before its gdc_wait, what no kernel of the step writes (weights, earlier tokens' K/V)."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
