@@ -34,10 +34,6 @@ SKINNY_MAX_ROWS = 16
 # With PDL, lines of 64 16-bit weights (128 bytes) each weight row of a program prefetches into L2 before
 # waiting for the kernel before: 16 lines of 64 rows are 128 KiB per program, 8 prefetches per thread.
 PREFETCH_MAX_LINES = 16
-# Pipeline stages with x a SplitKSum: its float32 partials are buffered in shared memory with the weight
-# tiles. down_proj's x (gate_up's two partials, activated) took 260 KiB at 4 stages on the H200 (227 KiB
-# there, BENCHMARKS.md, thirteenth session); 3 stages fit, and a Qwen3-0.6B down_proj program has 3 K tiles.
-SPLIT_X_MAX_STAGES = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -246,10 +242,8 @@ def skinny_linear(x: "torch.Tensor | SplitKSum", weight: torch.Tensor, bias: tor
     assert weight.shape == (N, K) and weight.dtype == x.dtype and weight.is_contiguous()
     assert bias is None or (bias.shape == (N,) and bias.is_contiguous())
     overrides = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
-    config = launch_config(N, K, num_sms(data.device))
-    if x_splits:
-        config = dataclasses.replace(config, num_stages=min(config.num_stages, SPLIT_X_MAX_STAGES))
-    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    config = dataclasses.replace(launch_config(N, K, num_sms(data.device)),
+                                 **{k: v for k, v in overrides.items() if v is not None})
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=data.device)
     # Whole K tiles per split; splits left with no tile are dropped.
