@@ -92,20 +92,6 @@ def test_defer_sum(bias, split_k):
         assert torch.equal(out.sum(), expected)
 
 
-@pytest.mark.parametrize("silu_and_mul", [False, True])
-def test_x_a_split_k_sum(silu_and_mul):
-    """x a SplitKSum (another skinny GEMM's partials, with or without SwiGLU's activation deferred): the
-    kernel sums (and activates) it as it loads x, giving exactly what it gives for x.sum()."""
-    M, N, K = 3, 96, 160
-    gen = torch.Generator().manual_seed(int(silu_and_mul))
-    parts = torch.randn(3, M, 2 * K if silu_and_mul else K, generator=gen).to(DEVICE)
-    x = SplitKSum(parts, torch.float16, silu_and_mul=silu_and_mul)
-    _, weight, b = make_inputs(M, N, K, torch.float16, bias=True)
-    assert x.shape == (M, K) and x.sum().shape == (M, K)
-    for config in (dict(block_n=32, block_k=64, split_k=1), dict(block_n=64, block_k=32, split_k=2)):
-        assert torch.equal(skinny_linear(x, weight, b, **config), skinny_linear(x.sum(), weight, b, **config))
-
-
 def test_no_rows():
     x, weight, _ = make_inputs(0, 32, 64, torch.float16)
     assert skinny_linear(x, weight).shape == (0, 32)

@@ -9,12 +9,10 @@ When N / BLOCK_N gives too few programs to keep every SM streaming, K is split a
 programs too; they write float32 partials that a second small kernel sums (deterministic, unlike
 atomics). Nothing depends on tensor values, so the launch is CUDA-graph safe.
 
-A kernel that reads y anyway (RMSNorm, the q/k norm + RoPE, this GEMM) can sum the partials itself as
+A kernel that reads y anyway (RMSNorm, SiLU-and-mul, the q/k norm + RoPE) can sum the partials itself as
 it loads y (`defer_sum=True` gives it a `SplitKSum`; it loads with `load_split_sum`), which takes the
 summing kernel out of the decode chain (four a layer: −0.05 ms a token of single-stream decode on the
-H200, BENCHMARKS.md). SwiGLU's activation is deferred the same way: SiluAndMul turns gate_up's
-SplitKSum into one with `silu_and_mul` set, and down_proj's GEMM applies it as it loads its x
-(`load_operand`), so no activation kernel runs between the two projections.
+H200, BENCHMARKS.md).
 
 At decode sizes a kernel's launch and its first weight reads take as long as the rest of it. With
 programmatic dependent launch (utils.device.pdl_enabled) the kernel starts while the one before it
@@ -28,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
+from nanovllm.utils.device import num_sms, pdl_enabled
 
 SKINNY_MAX_ROWS = 16
 # With PDL, lines of 64 16-bit weights (128 bytes) each weight row of a program prefetches into L2 before
@@ -59,12 +57,18 @@ def launch_config(N: int, K: int, sms: int) -> LaunchConfig:
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, x_split_stride, stride_om, k_per_split,
-                   X_SPLITS: tl.constexpr, X_SILU_AND_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), SPLIT_K): output features n of all rows, over one split of K. x is loaded
-    through load_operand (X_SPLITS, x_split_stride, X_SILU_AND_MUL: split_operand; stride_xm: its rows).
+def _prefetch_to_l2(ptrs):
+    """Start fetching the 128-byte lines holding ptrs into L2 (no register is written)."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K): output features n of all rows, over one split of K.
 
     SPLIT_K == 1: out is y [M, N] (stride_om), bias added. Else out is float32 partials
     [SPLIT_K, M, N], contiguous, reduced by _split_k_reduce_kernel."""
@@ -76,7 +80,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, x_split_str
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    x_offs = offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: tiles never straddle splits
     k_end = tl.minimum(k_start + k_per_split, K)
     if PDL:
@@ -85,20 +89,18 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, x_split_str
         # PREFETCH_LINES lines of each row) into L2 while the kernel before finishes, then wait for x.
         line_k = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 64, k_end - 1)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        prefetch_to_l2(w_ptr + rows[:, None] * K + line_k[None, :])
+        _prefetch_to_l2(w_ptr + rows[:, None] * K + line_k[None, :])
         tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:  # row masks only: the loads stay vectorized along K
             w = tl.load(w_ptrs + k, mask=n_mask[:, None], other=0.0)
-            x = load_operand(x_ptr, x_offs + k, m_mask[:, None], x_split_stride, K, X_SPLITS, X_SILU_AND_MUL,
-                             w_ptr.dtype.element_ty)
+            x = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
         else:  # the last tile is ragged: zeros past K in both operands
             k_mask = (k + offs_k < K)[None, :]
             w = tl.load(w_ptrs + k, mask=n_mask[:, None] & k_mask, other=0.0)
-            x = load_operand(x_ptr, x_offs + k, m_mask[:, None] & k_mask, x_split_stride, K, X_SPLITS,
-                             X_SILU_AND_MUL, w_ptr.dtype.element_ty)
+            x = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, BLOCK_M] = y.T tile
 
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -115,25 +117,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, x_split_str
 @dataclasses.dataclass(frozen=True, slots=True)
 class SplitKSum:
     """A skinny GEMM's output y [M, N] not yet summed: its float32 split-K partials `parts` [splits, M, N]
-    (contiguous); y = their sum in split order, rounded to `dtype` (no bias). With `silu_and_mul` the
-    value meant is SwiGLU's activation of y instead, [M, N / 2]: silu(gate) * up of y's halves, as
-    activation.silu_and_mul_triton computes it. Kernels that read the value finish it as they load
-    (load_split_sum, load_operand); other code calls `sum()`."""
+    (contiguous); y = their sum in split order, rounded to `dtype` (no bias). Kernels that read y sum it
+    as they load (load_split_sum); other code calls `sum()`."""
 
     parts: torch.Tensor
     dtype: torch.dtype
-    silu_and_mul: bool = False
 
     @property
     def shape(self) -> torch.Size:
-        splits, M, N = self.parts.shape
-        return torch.Size((M, N // 2 if self.silu_and_mul else N))
+        return self.parts.shape[1:]
 
     def sum(self) -> torch.Tensor:
-        if self.silu_and_mul:
-            from nanovllm.layers.activation import silu_and_mul_triton  # it imports this module
-
-            return silu_and_mul_triton(dataclasses.replace(self, silu_and_mul=False))
         splits, M, N = self.parts.shape
         y = torch.empty(M, N, dtype=self.dtype, device=self.parts.device)
         _reduce(self.parts, None, y)
@@ -189,27 +183,6 @@ def load_split_sum(ptr, offs, mask, split_stride, SPLITS: tl.constexpr, dtype: t
 
 
 @triton.jit
-def silu_and_mul_values(gate, up):
-    """silu(gate) * up of 16-bit tensors, each op rounded to their dtype as torch rounds it."""
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-
-
-@triton.jit
-def load_operand(ptr, offs, mask, split_stride, half, SPLITS: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-                 dtype: tl.constexpr):
-    """load_split_sum, and with SILU_AND_MUL the activation of a SplitKSum with silu_and_mul set: gate at
-    offs, up `half` elements (N / 2 of the partials' N) further."""
-    if SILU_AND_MUL:
-        x = silu_and_mul_values(load_split_sum(ptr, offs, mask, split_stride, SPLITS, dtype),
-                                load_split_sum(ptr, offs + half, mask, split_stride, SPLITS, dtype))
-    else:
-        x = load_split_sum(ptr, offs, mask, split_stride, SPLITS, dtype)
-    return x
-
-
-@triton.jit
 def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (M, cdiv(N, BLOCK)): y[m, n] = sum over splits of partials [SPLIT_K, M, N] (+ bias[n])."""
@@ -225,37 +198,35 @@ def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
     tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_linear(x: "torch.Tensor | SplitKSum", weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   defer_sum: bool = False, block_n: int | None = None, block_k: int | None = None,
                   split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> "torch.Tensor | SplitKSum":
     """F.linear(x, weight, bias) for x [M <= SKINNY_MAX_ROWS, K] with float32 accumulation.
 
-    x: 16-bit, last dim contiguous (rows may be strided), or a SplitKSum (summed, and activated, as it is
-    loaded); weight [N, K] contiguous, x's dtype; bias: [N] or None. Returns y [M, N] in x.dtype; with
-    defer_sum, no bias and K split, y's SplitKSum instead. Keyword arguments override launch_config.
+    x: 16-bit, last dim contiguous (rows may be strided); weight [N, K] contiguous, x's dtype;
+    bias: [N] or None. Returns y [M, N] in x.dtype; with defer_sum, no bias and K split, y's SplitKSum
+    instead. Keyword arguments override launch_config.
     """
     M, K = x.shape
     N = weight.shape[0]
-    data, x_splits, x_split_stride = split_operand(x)
-    assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and data.stride(-1) == 1
+    assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
     assert weight.shape == (N, K) and weight.dtype == x.dtype and weight.is_contiguous()
     assert bias is None or (bias.shape == (N,) and bias.is_contiguous())
     overrides = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
-    config = dataclasses.replace(launch_config(N, K, num_sms(data.device)),
+    config = dataclasses.replace(launch_config(N, K, num_sms(x.device)),
                                  **{k: v for k, v in overrides.items() if v is not None})
     if M == 0:
-        return torch.empty(M, N, dtype=x.dtype, device=data.device)
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
     # Whole K tiles per split; splits left with no tile are dropped.
     k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(K, k_per_split)
     deferred = defer_sum and splits > 1 and bias is None
-    y = None if deferred else torch.empty(M, N, dtype=x.dtype, device=data.device)
-    out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=data.device)
-    pdl = pdl_enabled(data.device)
+    y = None if deferred else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    pdl = pdl_enabled(x.device)
     _skinny_kernel[(triton.cdiv(N, config.block_n), splits)](
-        data, weight, bias if bias is not None else weight, out, M, N, K, data.stride(-2), x_split_stride, N,
-        k_per_split, X_SPLITS=x_splits, X_SILU_AND_MUL=isinstance(x, SplitKSum) and x.silu_and_mul,
+        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), N, k_per_split,
         HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=splits,
         PDL=pdl, PREFETCH_LINES=min(PREFETCH_MAX_LINES, triton.next_power_of_2(triton.cdiv(k_per_split, 64))),

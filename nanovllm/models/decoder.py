@@ -87,9 +87,8 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKSum:
-        # A skinny GEMM's split-K partials are summed by the kernel that reads its output next: gate_up's,
-        # with the activation deferred too, by down_proj's loads; down_proj's by the next layer's input
-        # norm (or the final norm).
+        # A skinny GEMM's split-K partials are summed by the kernel that reads its output next: the
+        # activation, and the next layer's input norm (or the final norm).
         return self.down_proj(self.act_fn(self.gate_up_proj(x, defer_sum=True)), defer_sum=True)
 
 
