@@ -112,7 +112,7 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
     """A decode layer's chain of Triton kernels (norm, skinny GEMMs, SiLU, decode attention aside),
     replayed from a CUDA graph, gives the same bits with PDL (kernels overlapping the one before) as
     without, and with the GEMMs' split-K partials summed by the next kernel: no kernel reads its input
-    before the kernel writing it has finished. Each GEMM prefetches the other's weight (`prefetch`)."""
+    before the kernel writing it has finished."""
     from nanovllm.layers.skinny_gemm import skinny_linear
 
     gen = torch.Generator().manual_seed(0)
@@ -125,8 +125,8 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
         h, res = x, residual
         for _ in range(8):
             normed, res = norm(h, res)
-            gate_up = skinny_linear(normed, gate_up_w, defer_sum=defer_sum, prefetch=down_w)
-            h = skinny_linear(silu_and_mul_triton(gate_up), down_w, defer_sum=defer_sum, prefetch=gate_up_w)
+            gate_up = skinny_linear(normed, gate_up_w, defer_sum=defer_sum)
+            h = skinny_linear(silu_and_mul_triton(gate_up), down_w, defer_sum=defer_sum)
         return summed(h), res
 
     results = {}

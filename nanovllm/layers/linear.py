@@ -6,8 +6,7 @@ rank's slice of a checkpoint tensor.
 
 On CUDA, a few 16-bit rows (decode) go through the skinny GEMM, which reads the weight faster than
 cuBLAS does at that size; everything else through F.linear. `forward(x, defer_sum=True)` lets the skinny
-GEMM leave its split-K partials to the next kernel (a SplitKSum) where no all-reduce needs the sum, and
-`forward(x, prefetch=w)` has it ask L2 for w, the weight of the layer that runs next.
+GEMM leave its split-K partials to the next kernel (a SplitKSum) where no all-reduce needs the sum.
 """
 
 import torch
@@ -23,13 +22,12 @@ def tp_rank_and_size() -> tuple[int, int]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           defer_sum: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor | SplitKSum:
+           defer_sum: bool = False) -> torch.Tensor | SplitKSum:
     """F.linear(x, weight, bias), by the skinny GEMM for x [M <= SKINNY_MAX_ROWS, K] 16-bit on CUDA; with
-    defer_sum that may return a SplitKSum (skinny_linear), for a caller whose next kernel takes one.
-    prefetch: the weight of the linear layer that runs next, which the skinny GEMM asks L2 for."""
+    defer_sum that may return a SplitKSum (skinny_linear), for a caller whose next kernel takes one."""
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1
             and x.dtype in (torch.bfloat16, torch.float16)):
-        return skinny_linear(x, weight, bias, defer_sum=defer_sum, prefetch=prefetch)
+        return skinny_linear(x, weight, bias, defer_sum=defer_sum)
     return F.linear(x, weight, bias)
 
 
@@ -68,9 +66,8 @@ class ReplicatedLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, tp_dim=None)
 
-    def forward(self, x: torch.Tensor, defer_sum: bool = False,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor | SplitKSum:
-        return linear(x, self.weight, self.bias, defer_sum, prefetch)
+    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | SplitKSum:
+        return linear(x, self.weight, self.bias, defer_sum)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -78,9 +75,8 @@ class ColumnParallelLinear(LinearBase):
         _, tp_size = tp_rank_and_size()
         super().__init__(input_size, output_size // tp_size, bias, tp_dim=0)
 
-    def forward(self, x: torch.Tensor, defer_sum: bool = False,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor | SplitKSum:
-        return linear(x, self.weight, self.bias, defer_sum, prefetch)
+    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | SplitKSum:
+        return linear(x, self.weight, self.bias, defer_sum)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -124,11 +120,10 @@ class RowParallelLinear(LinearBase):
         _, tp_size = tp_rank_and_size()
         super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor, defer_sum: bool = False,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor | SplitKSum:
+    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | SplitKSum:
         # The bias is added once, on rank 0, before the partial sums are reduced.
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, defer_sum, prefetch)
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, prefetch=prefetch)
+            return linear(x, self.weight, self.bias, defer_sum)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         dist.all_reduce(y)
         return y

@@ -17,10 +17,7 @@ H200, BENCHMARKS.md).
 At decode sizes a kernel's launch and its first weight reads take as long as the rest of it. With
 programmatic dependent launch (utils.device.pdl_enabled) the kernel starts while the one before it
 (norm, activation, attention) still runs: each program asks L2 for the start of its weight slice,
-which no earlier kernel writes, and only then waits for that kernel's output, x. Given `prefetch`, the
-weight of the GEMM after this one (the model passes it: qkv -> o_proj -> gate_up -> down -> the next
-layer's qkv), the programs also ask L2 for all of it: DRAM then streams the next weights while the
-small kernels between two GEMMs run, and the next GEMM reads them from L2.
+which no earlier kernel writes, and only then waits for that kernel's output, x.
 """
 
 import dataclasses
@@ -29,15 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
+from nanovllm.utils.device import num_sms, pdl_enabled
 
 SKINNY_MAX_ROWS = 16
 # With PDL, lines of 64 16-bit weights (128 bytes) each weight row of a program prefetches into L2 before
 # waiting for the kernel before: 16 lines of 64 rows are 128 KiB per program, 8 prefetches per thread.
 PREFETCH_MAX_LINES = 16
-# The most of the next GEMM's weight (`prefetch`) a GEMM asks L2 for: a third of the H200's 50 MB L2, so
-# the lines are not evicted before they are read. Qwen3-0.6B's largest weight (gate_up) is 12 MiB.
-NEXT_PREFETCH_MAX_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,15 +57,21 @@ def launch_config(N: int, K: int, sms: int) -> LaunchConfig:
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, next_ptr, M, N, K, stride_xm, stride_om, k_per_split, next_lines,
+def _prefetch_to_l2(ptrs):
+    """Start fetching the 128-byte lines holding ptrs into L2 (no register is written)."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, NEXT_LINES: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): output features n of all rows, over one split of K.
 
     SPLIT_K == 1: out is y [M, N] (stride_om), bias added. Else out is float32 partials
-    [SPLIT_K, M, N], contiguous, reduced by _split_k_reduce_kernel. With PDL and NEXT_LINES > 0, the
-    programs also prefetch the next_lines 128-byte lines of the 16-bit tensor at next_ptr, NEXT_LINES each."""
+    [SPLIT_K, M, N], contiguous, reduced by _split_k_reduce_kernel."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,11 +89,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, next_ptr, M, N, K, stride_xm, s
         # PREFETCH_LINES lines of each row) into L2 while the kernel before finishes, then wait for x.
         line_k = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 64, k_end - 1)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        prefetch_to_l2(w_ptr + rows[:, None] * K + line_k[None, :])
-        if NEXT_LINES > 0:  # the next GEMM's weight, its lines dealt out to the programs in turn
-            programs = tl.num_programs(0) * tl.num_programs(1)
-            line = tl.minimum(pid_k * tl.num_programs(0) + pid_n + tl.arange(0, NEXT_LINES) * programs, next_lines - 1)
-            prefetch_to_l2(next_ptr + line.to(tl.int64) * 64)
+        _prefetch_to_l2(w_ptr + rows[:, None] * K + line_k[None, :])
         tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -203,22 +199,20 @@ def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  defer_sum: bool = False, prefetch: torch.Tensor | None = None, block_n: int | None = None,
-                  block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                  defer_sum: bool = False, block_n: int | None = None, block_k: int | None = None,
+                  split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> "torch.Tensor | SplitKSum":
     """F.linear(x, weight, bias) for x [M <= SKINNY_MAX_ROWS, K] with float32 accumulation.
 
     x: 16-bit, last dim contiguous (rows may be strided); weight [N, K] contiguous, x's dtype;
     bias: [N] or None. Returns y [M, N] in x.dtype; with defer_sum, no bias and K split, y's SplitKSum
-    instead. prefetch: the weight of the GEMM that runs after this one (contiguous, x's dtype), which
-    with PDL this kernel asks L2 for (module docstring). Other keyword arguments override launch_config.
+    instead. Keyword arguments override launch_config.
     """
     M, K = x.shape
     N = weight.shape[0]
     assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
     assert weight.shape == (N, K) and weight.dtype == x.dtype and weight.is_contiguous()
     assert bias is None or (bias.shape == (N,) and bias.is_contiguous())
-    assert prefetch is None or (prefetch.dtype == x.dtype and prefetch.is_contiguous())
     overrides = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
     config = dataclasses.replace(launch_config(N, K, num_sms(x.device)),
                                  **{k: v for k, v in overrides.items() if v is not None})
@@ -231,17 +225,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = None if deferred else torch.empty(M, N, dtype=x.dtype, device=x.device)
     out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     pdl = pdl_enabled(x.device)
-    grid = (triton.cdiv(N, config.block_n), splits)
-    next_lines = 0
-    if pdl and prefetch is not None:  # 128-byte lines of 64 16-bit values
-        next_lines = triton.cdiv(min(prefetch.numel() * 2, NEXT_PREFETCH_MAX_BYTES), 128)
-    _skinny_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, weight if prefetch is None else prefetch, M, N, K,
-        x.stride(0), N, k_per_split, next_lines,
+    _skinny_kernel[(triton.cdiv(N, config.block_n), splits)](
+        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), N, k_per_split,
         HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=splits,
         PDL=pdl, PREFETCH_LINES=min(PREFETCH_MAX_LINES, triton.next_power_of_2(triton.cdiv(k_per_split, 64))),
-        NEXT_LINES=triton.next_power_of_2(triton.cdiv(next_lines, grid[0] * grid[1])) if next_lines else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     if deferred:

@@ -1,10 +1,6 @@
 """The dense decoder shared by the supported families: GQA attention with RoPE, SwiGLU MLP, pre-norm
 residual blocks, tensor-parallel layers. A family (qwen3.py, qwen2.py, llama.py) is a subclass of
-`DecoderForCausalLM` that states its `DecoderOptions`; parameter names follow the checkpoints'.
-
-Each linear layer is given the weight of the one that runs after it (`prefetch`: qkv -> o_proj ->
-gate_up -> down -> the next layer's qkv): at decode the skinny GEMM asks L2 for it, so DRAM streams the
-next weights while the small kernels in between run (skinny_gemm.py)."""
+`DecoderForCausalLM` that states its `DecoderOptions`; parameter names follow the checkpoints'."""
 
 from dataclasses import dataclass
 
@@ -51,16 +47,14 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata,
-                next_weight: torch.Tensor | None = None) -> torch.Tensor | SplitKSum:
-        """next_weight: the weight of the linear layer after o_proj (prefetch)."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor | SplitKSum:
         fused = hidden_states.is_cuda
         # Fused: the q/k norm + RoPE kernel sums the projection's split-K partials itself.
-        qkv = self.qkv_proj(hidden_states, defer_sum=fused, prefetch=self.o_proj.weight)
+        qkv = self.qkv_proj(hidden_states, defer_sum=fused)
         q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping)
         out = self.attn(q, k, v, meta, kv_stored=fused)
-        # Summed by the post-attention norm.
-        return self.o_proj(out.flatten(1, -1), defer_sum=True, prefetch=next_weight)
+        return self.o_proj(out.flatten(1, -1), defer_sum=True)  # summed by the post-attention norm
 
     def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum, fused: bool,
                   slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,12 +86,10 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=options.mlp_bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, next_weight: torch.Tensor | None = None) -> torch.Tensor | SplitKSum:
-        """next_weight: the weight of the linear layer after down_proj (prefetch)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKSum:
         # A skinny GEMM's split-K partials are summed by the kernel that reads its output next: the
         # activation, and the next layer's input norm (or the final norm).
-        gate_up = self.gate_up_proj(x, defer_sum=True, prefetch=self.down_proj.weight)
-        return self.down_proj(self.act_fn(gate_up), defer_sum=True, prefetch=next_weight)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x, defer_sum=True)), defer_sum=True)
 
 
 class DecoderLayer(nn.Module):
@@ -108,17 +100,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, residual, meta: AttentionMetadata,
-                next_weight: torch.Tensor | None = None):
-        """next_weight: the weight of the linear layer after this layer's last (prefetch)."""
+    def forward(self, positions, hidden_states, residual, meta: AttentionMetadata):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, meta, next_weight=self.mlp.gate_up_proj.weight)
+        hidden_states = self.self_attn(positions, hidden_states, meta)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states, next_weight), residual
+        return self.mlp(hidden_states), residual
 
 
 class DecoderModel(nn.Module):
@@ -131,10 +121,8 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            last = i + 1 == len(self.layers)
-            next_weight = None if last else self.layers[i + 1].self_attn.qkv_proj.weight
-            hidden_states, residual = layer(positions, hidden_states, residual, meta, next_weight)
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, meta)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
