@@ -20,7 +20,7 @@ BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
 # stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
 DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False,
-              ORDERED=True, PDL=True, stride_vd=1)
+              ORDERED=True, PDL=True, PREFETCH=False, stride_vd=1)
 PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, PAGED=True,
                stride_vd=1)
 VARLEN = dict(PAGE=0, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages
@@ -54,6 +54,10 @@ def configurations():
         "decode bf16": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                        merge(DECODE, fp16, FP8_V, {"BLOCK_N": 128, "NUM_SPLITS": 1})),
+        "decode fp8, prefetch": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
+                                 merge(DECODE, fp16, FP8_V, {"BLOCK_N": 128, "PREFETCH": True})),
+        "decode bf16, prefetch": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"],
+                                  {**DECODE, **fp16, "PREFETCH": True}),
         "decode reduce": (decode, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [],
                           dict(D=128, NUM_SPLITS=4, PDL=True)),
         "prefill bf16": (prefill, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.utils.device import num_sms, pdl_enabled
+from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
 
 SKINNY_MAX_ROWS = 16
 # With PDL, lines of 64 16-bit weights (128 bytes) each weight row of a program prefetches into L2 before
@@ -57,13 +57,6 @@ def launch_config(N: int, K: int, sms: int) -> LaunchConfig:
 
 
 @triton.jit
-def _prefetch_to_l2(ptrs):
-    """Start fetching the 128-byte lines holding ptrs into L2 (no register is written)."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -89,7 +82,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, 
         # PREFETCH_LINES lines of each row) into L2 while the kernel before finishes, then wait for x.
         line_k = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 64, k_end - 1)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        _prefetch_to_l2(w_ptr + rows[:, None] * K + line_k[None, :])
+        prefetch_to_l2(w_ptr + rows[:, None] * K + line_k[None, :])
         tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
