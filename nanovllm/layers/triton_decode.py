@@ -148,6 +148,12 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
+# The decode kernel prefetches its first tile (PREFETCH) from this many splits: a few sequences, whose
+# programs all start at once, each reading a few tiles. H200, thirteenth session (BENCHMARKS.md): at batch 1
+# (32 splits) the kernel added 113-140 µs a step, not 151; at batch 8 (4 splits) decode was 1.6% slower.
+PREFETCH_MIN_SPLITS = 8
+
+
 def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Power-of-two split count: up to ~4 programs per SM, keeping >= 128 keys per split."""
     splits, target = 1, 4 * num_sms(device)
@@ -212,8 +218,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=fp8_compute_dtype(q),
         ORDERED=order is not None, PDL=pdl,
-        # Small grids (decode of a few sequences) start at once, all overlapping the kernel before.
-        PREFETCH=kvh * B * num_splits <= 2 * num_sms(q.device),
+        PREFETCH=num_splits >= PREFETCH_MIN_SPLITS,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
