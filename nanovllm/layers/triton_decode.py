@@ -150,7 +150,7 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
 
 # The decode kernel prefetches its first tile (PREFETCH) from this many splits: a few sequences, whose
 # programs all start at once, each reading a few tiles. H200, thirteenth session (BENCHMARKS.md): at batch 1
-# (32 splits) the kernel added 113-140 µs a step, not 151; at batch 8 (4 splits) decode was 1.6% slower.
+# (16 splits) the kernel added 113-140 µs a step, not 151; at batch 8 (4 splits) decode was 1.6% slower.
 PREFETCH_MIN_SPLITS = 8
 
 
