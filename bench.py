@@ -16,6 +16,7 @@ the weights' values).
 
 import argparse
 import os
+import statistics
 import time
 from random import randint, seed
 
@@ -116,13 +117,16 @@ EVERY_CONTROL = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, pr
                      frequency_penalty=0.2, seed=1, logprobs=5)
 
 
-def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, every_control: bool):
+def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, every_control: bool,
+                  runs: int = 2) -> list[float]:
     """Time to first token (until every stream's first token is on the host: steps overlap, so a
-    step() call returns before the GPU finishes it), then the decode rate per stream. Temperature 0.6,
-    and with every_control, every other sampling control too."""
+    step() call returns before the GPU finishes it), then the decode rate per stream, for each of `runs`
+    runs after a warm-up, and from 3 runs their median. Temperature 0.6, and with every_control, every
+    other sampling control too. Returns the runs' decode rates per stream."""
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
     vocab = min(10000, llm.config.hf_config.vocab_size - 1)
-    for _ in range(2):
+    rates = []
+    for _ in range(runs):
         prompts = [[randint(0, vocab) for _ in range(prompt_len)] for _ in range(num_streams)]
         controls = EVERY_CONTROL if every_control else {}
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens, **controls)
@@ -140,6 +144,10 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, 
         print(f"{num_streams} stream(s): prompt {prompt_len}, time to first token {(first - start) * 1e3:.1f} ms, "
               f"decode {per_stream:,.0f} tok/s per stream ({1e3 / per_stream:.2f} ms/token), "
               f"{per_stream * num_streams:,.0f} tok/s in all")
+        rates.append(per_stream)
+    if runs >= 3:
+        print(f"median of {runs} runs: decode {statistics.median(rates):,.0f} tok/s per stream")
+    return rates
 
 
 def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
@@ -287,7 +295,8 @@ def main():
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--runs", type=int, default=2, help="timed runs in one process (the first warms up)")
+    parser.add_argument("--runs", type=int, default=2,
+                        help="timed runs in one process (the workload's first warms up; streams warm up apart)")
     parser.add_argument("--breakdown", action="store_true",
                         help="after the timed runs, one more: its time by phase (prefill, decode by batch size)")
     parser.add_argument("--single-stream", action="store_true", help="one request instead of the batch workload")
@@ -301,6 +310,8 @@ def main():
     parser.add_argument("--mixed-sampling", action="store_true",
                         help="time the sampler alone at batch 256 and 1, every control vs temperature only (CUDA)")
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, got {args.runs}")
 
     if args.mixed_sampling:
         if not torch.cuda.is_available():
@@ -317,7 +328,7 @@ def main():
             profile_decode(llm, 1)
             profile_decode(llm, 256)
         elif args.single_stream or args.streams:
-            bench_streams(llm, args.prompt_len, args.new_tokens, args.streams or 1, args.every_control)
+            bench_streams(llm, args.prompt_len, args.new_tokens, args.streams or 1, args.every_control, args.runs)
         else:
             bench_throughput(llm, args.runs, args.breakdown)
         if torch.cuda.is_available():

@@ -1,6 +1,7 @@
 """bench.py's arithmetic that needs no GPU."""
 
-from bench import time_added
+from bench import bench_streams, time_added
+from nanovllm import LLM
 
 
 def test_time_added_counts_overlapped_kernels_once():
@@ -15,3 +16,12 @@ def test_time_added_counts_overlapped_kernels_once():
 
 def test_time_added_of_nothing():
     assert time_added([]) == (0.0, 0.0, {}, {})
+
+
+def test_bench_streams_times_every_run(tiny_model, capsys):
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        rates = bench_streams(llm, prompt_len=8, new_tokens=4, num_streams=2, every_control=False, runs=3)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(rates) == 3 and all(rate > 0 for rate in rates)
+    assert sum(line.startswith("2 stream(s): prompt 8, ") for line in lines) == 3
+    assert lines[-1] == f"median of 3 runs: decode {sorted(rates)[1]:,.0f} tok/s per stream"
