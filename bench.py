@@ -125,11 +125,11 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, 
     other sampling control too. Returns the runs' decode rates per stream."""
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
     vocab = min(10000, llm.config.hf_config.vocab_size - 1)
+    controls = EVERY_CONTROL if every_control else {}
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens, **controls)
     rates = []
     for _ in range(runs):
         prompts = [[randint(0, vocab) for _ in range(prompt_len)] for _ in range(num_streams)]
-        controls = EVERY_CONTROL if every_control else {}
-        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens, **controls)
         seqs = llm.make_sequences(prompts, params)
         start = time.perf_counter()
         for seq in seqs:
