@@ -48,36 +48,22 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
                          FP8: tl.constexpr, PDL: tl.constexpr):
     """qkv is loaded through load_split_sum (QKV_SPLITS, qkv_split_stride: skinny_gemm.split_operand); when
     it is a SplitKSum (QKV_SPLITS > 0), the v heads are also written to v_ptr [tokens, NUM_KV_HEADS, D]."""
-    if PDL:
+    if PDL:  # launched while the qkv projection runs: wait for it before reading anything
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     # HEADS consecutive heads: of the q heads, then the k heads, then (with STORE or QKV_SPLITS) the v heads.
     # HEADS divides NUM_HEADS and NUM_KV_HEADS, so they are all of one kind.
     head = tl.program_id(1) * HEADS
     heads = head + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     half = tl.arange(0, D // 2)[None, :]
-    is_q = head < NUM_HEADS
-    # What the host wrote before the step (positions, slots) and the constant tables are read before waiting
-    # for the qkv projection (with PDL, while it runs); a v program reads the cos/sin row and weights unused.
-    if STORE:
-        slot = tl.load(slot_mapping_ptr + token)  # -1: write nothing
-    cs = cos_sin_ptr + tl.load(positions_ptr + token) * stride_cs + half  # row = [cos | sin], D // 2 each
-    cos = tl.load(cs)
-    sin = tl.load(cs + D // 2)
-    if HAS_NORM:
-        if is_q:
-            w_ptr = q_weight_ptr
-        else:
-            w_ptr = k_weight_ptr
-        w1 = tl.load(w_ptr + half).to(tl.float32)
-        w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     # The heads lie in this order in a qkv row too, so `heads` indexes all of them.
     src = token * stride_qkv + heads * D + half
     dtype = q_ptr.dtype.element_ty
     x1 = load_split_sum(qkv_ptr, src, None, qkv_split_stride, QKV_SPLITS, dtype)  # [HEADS, D // 2]
     x2 = load_split_sum(qkv_ptr, src + D // 2, None, qkv_split_stride, QKV_SPLITS, dtype)
+    if STORE:
+        slot = tl.load(slot_mapping_ptr + token)  # -1: write nothing
     if head >= NUM_HEADS + NUM_KV_HEADS:  # v heads: stored unchanged
         v_head = head - NUM_HEADS - NUM_KV_HEADS
         if QKV_SPLITS > 0:
@@ -90,14 +76,24 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
                              IS_V=True)
         return
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    is_q = head < NUM_HEADS
     if HAS_NORM:
         # rms_norm: x * rsqrt(mean(x^2) + eps) in float32, rounded to dtype, then weight * x in dtype
         # (the float32 product of two 16-bit values is exact, so one rounding gives torch's result).
         mean_sq = tl.sum(x1 * x1 + x2 * x2, axis=1)[:, None] / D
         inv_rms = tl.math.rsqrt(mean_sq + eps)
+        if is_q:
+            w_ptr = q_weight_ptr
+        else:
+            w_ptr = k_weight_ptr
+        w1 = tl.load(w_ptr + half).to(tl.float32)
+        w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)
         x1 = (w1 * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    # apply_rope
+    # apply_rope: cos_sin_cache row = [cos | sin], each D // 2 float32
+    cs = cos_sin_ptr + tl.load(positions_ptr + token) * stride_cs + half
+    cos = tl.load(cs)
+    sin = tl.load(cs + D // 2)
     y1 = (x1 * cos - x2 * sin).to(dtype)
     y2 = (x2 * cos + x1 * sin).to(dtype)
     if is_q:
