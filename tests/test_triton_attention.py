@@ -140,25 +140,6 @@ def test_decode_padding_rows_only():
         assert (out == 0).all()
 
 
-def test_decode_split_merge_leaves_its_counters_zeroed():
-    """The last split program of each (sequence, kv head) merges and resets its counter: a second call over
-    the same buffer (as a CUDA graph replays) counts from zero and gives the same output."""
-    args = ([700, 3, 0, 129], 16, 4, 2, 32)
-    q, cache_args, first, _ = run_decode(*args, num_splits=8)
-    counters = triton_decode._merge_counter_buffers[torch.device(DEVICE)]
-    assert counters.count_nonzero() == 0
-    again = triton_decode.paged_decode_attention(q, *cache_args, num_splits=8)
-    assert torch.equal(again, first)
-    assert counters.count_nonzero() == 0
-
-
-def test_decode_split_merge_rows_bounded(monkeypatch):
-    monkeypatch.setattr(triton_decode, "MAX_MERGE_COUNTERS", 4)
-    with pytest.raises(ValueError, match=r"batch \* kv_heads = 6 rows; at most 4"):
-        run_decode([40, 40, 40], 16, 4, 2, 32, num_splits=2)
-    check_decode([40, 40], 16, 4, 2, 32, num_splits=2)  # 2 x 2 rows fit
-
-
 def test_decode_num_splits_heuristic():
     dev = torch.device("cpu")
     assert triton_decode._decode_num_splits(256, 8, 1024, dev) == 1

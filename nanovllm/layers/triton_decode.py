@@ -1,6 +1,6 @@
 """Triton paged decode attention: one query per sequence over its paged KV cache, the G query heads of a
-kv head in one program (GQA), split-K over long contexts, the splits merged by the last of them to finish.
-The cache layouts and the fp8 scheme: triton_attention.py."""
+kv head in one program (GQA), split-K over long contexts with a merge pass. The cache layouts and the fp8
+scheme: triton_attention.py."""
 
 import torch
 import triton
@@ -62,8 +62,8 @@ def _prefetch_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, start, e
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, order_ptr, out_ptr, acc_ptr,
-    m_ptr, l_ptr, counters_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
+    m_ptr, l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
@@ -130,53 +130,31 @@ def _decode_kernel(
         tl.store(m_ptr + row, m_i, mask=g < G)
         tl.store(l_ptr + row, l_i, mask=g < G)
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=head_mask)
-        # The last of the NUM_SPLITS programs of (seq, kv_head) to finish merges their partials. The barrier
-        # puts every thread's stores before the count, whose release makes them visible to the program that
-        # acquires the last count; that one resets the counter for the next call (the buffer stays zeroed).
-        tl.debug_barrier()
-        counter = counters_ptr + seq * tl.num_programs(0) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.store(counter, 0)
-            for i in tl.static_range(G):
-                _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr + seq * stride_ob + (kv_head * G + i) * stride_oh,
-                              (seq * tl.num_programs(0) * G + kv_head * G + i) * NUM_SPLITS, D, NUM_SPLITS)
 
 
 @triton.jit
-def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, first_row, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Merge the NUM_SPLITS partial softmaxes of one (sequence, head), rows first_row.. of the partials, into
-    out_ptr [D]. The loads bypass L1 (.cg), which other programs' stores do not update."""
-    row = first_row + tl.arange(0, NUM_SPLITS)
-    m = tl.load(m_ptr + row, cache_modifier=".cg")
+def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
+                          D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """Grid (B, H): merge the NUM_SPLITS partial softmaxes of one (sequence, head)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s  # [NUM_SPLITS]
+    m = tl.load(m_ptr + row)
     w = tl.exp2(m - tl.max(m, 0))  # [NUM_SPLITS]
-    denom = tl.sum(w * tl.load(l_ptr + row, cache_modifier=".cg"), 0)
-    acc = tl.load(acc_ptr + row[:, None] * D + tl.arange(0, D)[None, :], cache_modifier=".cg")  # [NUM_SPLITS, D]
+    denom = tl.sum(w * tl.load(l_ptr + row), 0)
+    acc = tl.load(acc_ptr + row[:, None] * D + tl.arange(0, D)[None, :])  # [NUM_SPLITS, D]
     out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
 # The decode kernel prefetches its first tile (PREFETCH) from this many splits: a few sequences, whose
 # programs all start at once, each reading a few tiles. H200, thirteenth session (BENCHMARKS.md): at batch 1
 # (16 splits) the kernel added 113-140 µs a step, not 151; at batch 8 (4 splits) decode was 1.6% slower.
 PREFETCH_MIN_SPLITS = 8
-
-
-# Split-K merge counters: one int32 per (sequence, kv head) of a call, zero between calls (_decode_kernel),
-# one buffer per device for the process's life, since CUDA graphs replay with its address.
-MAX_MERGE_COUNTERS = 1 << 16
-_merge_counter_buffers: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_counters(count: int, device: torch.device) -> torch.Tensor:
-    if count > MAX_MERGE_COUNTERS:
-        raise ValueError(f"split-K decode of batch * kv_heads = {count} rows; at most {MAX_MERGE_COUNTERS}")
-    if device not in _merge_counter_buffers:
-        # Allocated by the engine's warm-up, before its CUDA graphs are captured: a capture would record the
-        # zeroing rather than run it.
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the first split-K decode call on a device must not be in a CUDA graph capture")
-        _merge_counter_buffers[device] = torch.zeros(MAX_MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return _merge_counter_buffers[device]
 
 
 def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -213,8 +191,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     order: optional int32 [B], a permutation of the rows: the order in which the GPU takes them up. Longest
     context first (AttentionMetadata.decode_order), a ragged batch does not end on a few long rows.
     out: optional [B, H, D] destination. num_splits (a power of two), block_n, num_warps and
-    num_stages override the launch heuristics (_decode_num_splits, _decode_tile). Split calls on one device
-    count in one buffer (_merge_counters): they must not run concurrently, on different streams.
+    num_stages override the launch heuristics (_decode_num_splits, _decode_tile).
     """
     B, H, D = q.shape
     _, page, kvh, _ = k_cache.shape
@@ -233,14 +210,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_max = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
-        counters = _merge_counters(B * kvh, q.device)
     else:
-        part_max = part_sum = part_acc = counters = out  # unused
+        part_max = part_sum = part_acc = out  # unused
     strides = paged_strides(k_cache, v_cache, k_scale, block_tables)
     pdl = pdl_enabled(q.device)
     _decode_kernel[(kvh, B, num_splits)](
         q, k_cache, v_cache, *scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens,
-        context_lens if order is None else order, out, part_acc, part_max, part_sum, counters, scale * LOG2E,
+        context_lens if order is None else order, out, part_acc, part_max, part_sum, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=fp8_compute_dtype(q),
@@ -248,4 +224,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         PREFETCH=num_splits >= PREFETCH_MIN_SPLITS,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
+    if num_splits > 1:
+        _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+                                      D=D, NUM_SPLITS=num_splits, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
