@@ -15,6 +15,7 @@ the weights' values).
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -23,6 +24,7 @@ from random import randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.model_runner import PendingOutput
 from nanovllm.utils.device import pdl_enabled
 from nanovllm.utils.tiny_model import LLAMA_3_2_1B, QWEN2_5_0_5B, QWEN3_0_6B, QWEN3_8B, write_benchmark_checkpoint
 
@@ -117,6 +119,28 @@ EVERY_CONTROL = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, pr
                      frequency_penalty=0.2, seed=1, logprobs=5)
 
 
+@contextlib.contextmanager
+def host_waits():
+    """Yields a one-item list that sums the seconds the host spends waiting for a step's tokens
+    (PendingOutput.result) while the block runs. Steps overlap, so a host that never waits is the
+    bottleneck: the GPU then idles between steps for the host's bookkeeping."""
+    waited = [0.0]
+    result = PendingOutput.result
+
+    def timed_result(self):
+        start = time.perf_counter()
+        try:
+            return result(self)
+        finally:
+            waited[0] += time.perf_counter() - start
+
+    PendingOutput.result = timed_result
+    try:
+        yield waited
+    finally:
+        PendingOutput.result = result
+
+
 def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, every_control: bool,
                   runs: int = 2) -> list[float]:
     """Time to first token (until every stream's first token is on the host: steps overlap, so a
@@ -137,13 +161,15 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, 
         while any(seq.num_output_tokens == 0 for seq in seqs):
             llm.step()
         first = time.perf_counter()
-        while not llm.is_finished():
-            llm.step()
+        with host_waits() as waited:
+            while not llm.is_finished():
+                llm.step()
         end = time.perf_counter()
         per_stream = (new_tokens - 1) / (end - first)
         print(f"{num_streams} stream(s): prompt {prompt_len}, time to first token {(first - start) * 1e3:.1f} ms, "
               f"decode {per_stream:,.0f} tok/s per stream ({1e3 / per_stream:.2f} ms/token), "
-              f"{per_stream * num_streams:,.0f} tok/s in all")
+              f"{per_stream * num_streams:,.0f} tok/s in all; the host waited for the GPU "
+              f"{waited[0] / (end - first):.0%} of the decode")
         rates.append(per_stream)
     if runs >= 3:
         print(f"median of {runs} runs: decode {statistics.median(rates):,.0f} tok/s per stream")

@@ -1,7 +1,11 @@
 """bench.py's arithmetic that needs no GPU."""
 
-from bench import bench_streams, time_added
+import time
+import types
+
+from bench import bench_streams, host_waits, time_added
 from nanovllm import LLM
+from nanovllm.engine.model_runner import PendingOutput
 
 
 def test_time_added_counts_overlapped_kernels_once():
@@ -23,5 +27,17 @@ def test_bench_streams_times_every_run(tiny_model, capsys):
         rates = bench_streams(llm, prompt_len=8, new_tokens=4, num_streams=2, every_control=False, runs=3)
     lines = capsys.readouterr().out.splitlines()
     assert len(rates) == 3 and all(rate > 0 for rate in rates)
-    assert sum(line.startswith("2 stream(s): prompt 8, ") for line in lines) == 3
+    assert sum(line.startswith("2 stream(s): prompt 8, ") and "; the host waited for the GPU " in line
+               for line in lines) == 3
     assert lines[-1] == f"median of 3 runs: decode {sorted(rates)[1]:,.0f} tok/s per stream"
+
+
+def test_host_waits_sums_the_time_in_pending_results(monkeypatch):
+    original = PendingOutput.result
+    monkeypatch.setattr(time, "perf_counter", iter([1.0, 1.25, 2.0, 2.5]).__next__)
+    step = types.SimpleNamespace(event=None, channel=None, output="tokens")
+    with host_waits() as waited:
+        assert PendingOutput.result(step) == "tokens"
+        assert PendingOutput.result(step) == "tokens"
+    assert waited == [0.75]
+    assert PendingOutput.result is original
