@@ -5,7 +5,8 @@ import copy
 
 import torch
 
-from nanovllm.engine.sampling_metadata import InflightTokens, ToDevice, build_sampling_metadata
+from nanovllm.engine.host_to_device import ToDevice
+from nanovllm.engine.sampling_metadata import InflightTokens, build_sampling_metadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata

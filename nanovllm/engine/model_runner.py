@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config, head_dim
 from nanovllm.engine.cuda_graph import DecodeGraphs, SamplerGraphs
+from nanovllm.engine.host_to_device import to_device_packed
 from nanovllm.engine.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerEnd
@@ -234,13 +235,20 @@ class ModelRunner:
             cu_k.append(cu_k[-1] + end)
             if seq.completes_prefill:
                 sample_rows.append(cu_q[-1] - 1)
+        cu_seqlens_k = np.asarray(cu_k, dtype=np.int32)
+        device = to_device_packed({
+            "input_ids": np.concatenate(input_ids), "positions": np.concatenate(positions),
+            "slot_mapping": np.concatenate(slots), "context_lens": np.diff(cu_seqlens_k),
+            "block_tables": self._block_tables(seqs), "cu_seqlens_q": np.asarray(cu_q, dtype=np.int32),
+            "cu_seqlens_k": cu_seqlens_k, "sample_rows": np.asarray(sample_rows, dtype=np.int64),
+        }, self._to_device)
         meta = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=self._to_device(np.concatenate(slots)),
-            context_lens=self._to_device(np.diff(np.asarray(cu_k, dtype=np.int32))),
-            block_tables=self._to_device(self._block_tables(seqs)),
-            cu_seqlens_q=self._to_device(np.asarray(cu_q, dtype=np.int32)),
-            cu_seqlens_k=self._to_device(np.asarray(cu_k, dtype=np.int32)),
+            slot_mapping=device["slot_mapping"],
+            context_lens=device["context_lens"],
+            block_tables=device["block_tables"],
+            cu_seqlens_q=device["cu_seqlens_q"],
+            cu_seqlens_k=device["cu_seqlens_k"],
             max_seqlen_q=int(np.diff(cu_q).max()),
             max_seqlen_k=int(np.diff(cu_k).max()),
             prefix_cached=any(seq.num_cached_tokens > 0 for seq in seqs),
@@ -248,8 +256,7 @@ class ModelRunner:
         if self.dequant_workspace is not None and meta.prefix_cached and dequantizing_pays(cu_q, cu_k):
             meta.dequant_workspace = self.dequant_workspace
             meta.dequant_groups = workspace_groups(cu_q, cu_k, self.dequant_workspace.shape[1])
-        return (self._to_device(np.concatenate(input_ids)), self._to_device(np.concatenate(positions)), meta,
-                self._to_device(np.asarray(sample_rows, dtype=np.int64)))
+        return device["input_ids"], device["positions"], meta, device["sample_rows"]
 
     def prepare_decode(self, seqs: list[Sequence]):
         """One token per sequence: its last token at position len - 1. A last token still in flight
@@ -257,21 +264,24 @@ class ModelRunner:
         token_ids = np.array([seq.scheduled_token_ids()[0] for seq in seqs], dtype=np.int64)
         positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
         last_blocks = np.array([seq.block_table[-1] for seq in seqs], dtype=np.int64)
-        slots = last_blocks * self.block_size + positions % self.block_size
         context_lens = (positions + 1).astype(np.int32)
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._to_device(slots),
-            context_lens=self._to_device(context_lens),
-            block_tables=self._to_device(self._block_tables(seqs)),
-        )
+        host = {"input_ids": token_ids, "positions": positions,
+                "slot_mapping": last_blocks * self.block_size + positions % self.block_size,
+                "context_lens": context_lens, "block_tables": self._block_tables(seqs)}
         if self.config.attention_backend == "triton":
-            meta.decode_order = self._to_device(np.argsort(-context_lens, kind="stable").astype(np.int32))
-        input_ids = self._to_device(token_ids)
+            host["decode_order"] = np.argsort(-context_lens, kind="stable").astype(np.int32)
         inflight = np.flatnonzero(token_ids == PLACEHOLDER)
+        if inflight.size:  # their rows in this step, and in last_tokens
+            host["inflight"] = inflight.astype(np.int64)
+            host["inflight_rows"] = np.array([self.last_token_rows[seqs[i].seq_id] for i in inflight], dtype=np.int64)
+        device = to_device_packed(host, self._to_device)
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=device["slot_mapping"],
+                                 context_lens=device["context_lens"], block_tables=device["block_tables"],
+                                 decode_order=device.get("decode_order"))
+        input_ids = device["input_ids"]
         if inflight.size:
-            input_ids[self._to_device(inflight)] = self._inflight_tokens([seqs[i] for i in inflight])
-        return input_ids, self._to_device(positions), meta
+            input_ids[device["inflight"]] = self.last_tokens[device["inflight_rows"]]
+        return input_ids, device["positions"], meta
 
     def _inflight_tokens(self, seqs: list[Sequence]) -> torch.Tensor:
         """The tokens the previous step sampled for `seqs`, read on the device."""

@@ -9,11 +9,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from nanovllm.engine.host_to_device import ToDevice, to_device_packed
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Penalties, SamplingMetadata
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
-ToDevice = Callable[[np.ndarray], torch.Tensor]
 InflightTokens = Callable[[list[Sequence]], torch.Tensor]
 
 # Every control at once: the memory profile samples a batch with these settings.
@@ -63,7 +63,7 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: To
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             num_logprobs = max(wanted)
-    device = _to_device_packed(host, to_device)
+    device = to_device_packed(host, to_device)
     penalties = None
     if penalty_ids is not None:  # [rows, width]: large, copied alone rather than packed
         penalties = Penalties(to_device(penalty_ids), device["prompt_lens"], device["repetition"], device["frequency"],
@@ -76,27 +76,6 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: To
                             penalties=penalties, row_seeds=device.get("row_seeds"),
                             suppressed=tuple(device["suppressed"]) if "suppressed" in device else None,
                             num_logprobs=num_logprobs)
-
-
-def _to_device_packed(arrays: dict[str, np.ndarray], to_device: ToDevice) -> dict[str, torch.Tensor]:
-    """Small arrays on the device by one copy: their bytes packed, each at a multiple of 8, and viewed
-    back (views cost no kernel launch; each copy costs the host ~10-20 us)."""
-    if len(arrays) == 1:
-        return {name: to_device(array) for name, array in arrays.items()}
-    offsets, total = [], 0
-    for array in arrays.values():
-        offsets.append(total)
-        total += -(-array.nbytes // 8) * 8
-    packed = np.empty(total // 8, dtype=np.int64)
-    for array, offset in zip(arrays.values(), offsets):  # copied in their own dtype, not byte by byte
-        start = offset // array.itemsize
-        packed.view(array.dtype)[start:start + array.size] = array.reshape(-1)
-    device = to_device(packed).view(torch.uint8)
-    return {name: device[offset:offset + array.nbytes].view(TORCH_DTYPES[array.dtype]).view(array.shape)
-            for (name, array), offset in zip(arrays.items(), offsets)}
-
-
-TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.int64): torch.int64}
 
 
 class _Shape:

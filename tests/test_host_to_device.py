@@ -1,0 +1,48 @@
+"""Step inputs reach the device by one copy: packed, then viewed back in their dtypes and shapes."""
+
+import numpy as np
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.host_to_device import ALIGNMENT, to_device_packed
+
+
+def test_packed_arrays_come_back_equal_and_aligned():
+    arrays = {"ids": np.arange(3, dtype=np.int64), "lens": np.array([5, 7, 9], dtype=np.int32),
+              "table": np.arange(10, dtype=np.int32).reshape(2, 5), "empty": np.zeros(0, dtype=np.int64),
+              "temperatures": np.array([0.5], dtype=np.float32), "last": np.array([-1, 2], dtype=np.int64)}
+    copies = []
+
+    def to_device(array):
+        copies.append(array)
+        return torch.from_numpy(array)
+
+    device = to_device_packed(arrays, to_device)
+    assert len(copies) == 1
+    base = copies[0].ctypes.data
+    for name, array in arrays.items():
+        assert device[name].dtype == torch.from_numpy(array).dtype and device[name].shape == array.shape
+        assert np.array_equal(device[name].numpy(), array), name
+        assert (device[name].data_ptr() - base) % ALIGNMENT == 0, name
+    assert copies[0].nbytes == 32 + 16 + 48 + 0 + 16 + 16  # each array's bytes rounded up to 16
+
+
+def test_a_step_copies_its_inputs_to_the_device_once(tiny_model, prompts):
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton") as llm:
+        runner = llm.model_runner
+        copies, steps = [], []
+        to_device = runner._to_device
+        runner._to_device = lambda array: copies.append(array.shape) or to_device(array)
+        for name in ("prepare_prefill", "prepare_decode"):
+            prepare = getattr(runner, name)
+
+            def spy(seqs, prepare=prepare, name=name):
+                before = len(copies)
+                result = prepare(seqs)
+                steps.append((name, len(copies) - before))
+                return result
+
+            setattr(runner, name, spy)
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert ("prepare_prefill", 1) in steps and ("prepare_decode", 1) in steps
+    assert all(count == 1 for _, count in steps)
