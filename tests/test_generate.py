@@ -135,8 +135,8 @@ def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_refe
         orders = []  # (context lengths, decode order) of each decode step
         prepare = llm.model_runner.prepare_decode
 
-        def spy(seqs):
-            input_ids, positions, meta = prepare(seqs)
+        def spy(seqs, *args):
+            input_ids, positions, meta = prepare(seqs, *args)
             orders.append((meta.context_lens.tolist(), meta.decode_order.tolist()))
             return input_ids, positions, meta
 
@@ -154,9 +154,9 @@ def count_inflight_inputs(llm) -> list[tuple[int, int]]:
     counts = []
     prepare = llm.model_runner.prepare_decode
 
-    def spy(seqs):
+    def spy(seqs, *args):
         counts.append((sum(seq.scheduled_token_ids()[0] == PLACEHOLDER for seq in seqs), len(seqs)))
-        return prepare(seqs)
+        return prepare(seqs, *args)
 
     llm.model_runner.prepare_decode = spy
     return counts

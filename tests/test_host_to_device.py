@@ -36,9 +36,9 @@ def test_a_step_copies_its_inputs_to_the_device_once(tiny_model, prompts):
         for name in ("prepare_prefill", "prepare_decode"):
             prepare = getattr(runner, name)
 
-            def spy(seqs, prepare=prepare, name=name):
+            def spy(*args, prepare=prepare, name=name):
                 before = len(copies)
-                result = prepare(seqs)
+                result = prepare(*args)
                 steps.append((name, len(copies) - before))
                 return result
 
@@ -46,3 +46,29 @@ def test_a_step_copies_its_inputs_to_the_device_once(tiny_model, prompts):
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert ("prepare_prefill", 1) in steps and ("prepare_decode", 1) in steps
     assert all(count == 1 for _, count in steps)
+
+
+def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model):
+    """A decode graph of R rows reads its inputs at the offsets that packing R padding rows gave at capture
+    (cuda_graph.DecodeGraphs): a real step's rows, padded to R, must land at the same offsets."""
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton") as llm:
+        runner = llm.model_runner
+        seqs = llm.make_sequences([[5, 6, 7], list(range(1, 21))], SamplingParams())
+        for block, seq in enumerate(seqs):  # as the scheduler leaves them for a decode step
+            seq.block_table = [2 * block + 1, 2 * block + 2][:seq.num_blocks]
+            seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
+        rows = runner.decode_rows(seqs, 4)
+        capture = runner.decode_rows([], 4)
+
+    assert {name: array.tolist() for name, array in rows.items()} == {
+        "input_ids": [7, 20, 0, 0], "positions": [2, 19, 0, 0], "slot_mapping": [1 * 16 + 2, 4 * 16 + 3, -1, -1],
+        "context_lens": [3, 20, 0, 0], "decode_order": [1, 0, 2, 3]}
+    assert [(a.dtype, a.shape) for a in rows.values()] == [(a.dtype, a.shape) for a in capture.values()]
+
+    def offsets(arrays):
+        buffer = []
+        views = to_device_packed(arrays, lambda packed: buffer.append(packed) or torch.from_numpy(packed))
+        return {name: views[name].data_ptr() - buffer[0].ctypes.data for name in capture}
+
+    step = {**rows, "block_tables": np.zeros((2, 2), dtype=np.int32), "inflight": np.arange(2)}
+    assert offsets(step) == offsets(capture)

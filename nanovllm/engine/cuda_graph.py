@@ -3,9 +3,10 @@ replayed from static buffers."""
 
 import copy
 
+import numpy as np
 import torch
 
-from nanovllm.engine.host_to_device import ToDevice
+from nanovllm.engine.host_to_device import ToDevice, to_device_packed
 from nanovllm.engine.sampling_metadata import InflightTokens, build_sampling_metadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata
@@ -19,35 +20,45 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """A graph per batch-size bucket reads its per-row inputs (token ids, positions, slots, context lengths,
+    decode order) where the step's one packed host-to-device copy puts them: the start of `inputs`, at the
+    offsets host_to_device.to_device_packed gives arrays of the bucket's row count (ModelRunner.decode_rows
+    pads them). Only the block tables, whose width varies, are copied into the graphs' own buffer."""
+
     def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int):
         self.model = runner.model
         self.buckets = batch_buckets(max_num_seqs)
         self.max_batch_size = max_num_seqs
-        device = runner.device
         n = max_num_seqs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        # The Triton backend's decode order (AttentionMetadata.decode_order); padding rows keep their own place.
-        self.rows = torch.arange(n, dtype=torch.int32, device=device)
-        self.decode_order = self.rows.clone() if runner.config.attention_backend == "triton" else None
+        # The row arrays (5 at most, 8 bytes a row), the block tables and two inflight arrays, each
+        # padded to 16 bytes: what prepare_decode packs at most.
+        self.inputs = torch.zeros(n * (7 * 8 + 4 * max_blocks_per_seq) + 8 * 16, dtype=torch.uint8,
+                                  device=runner.device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
-        self._capture_all()
+        self._capture_all(runner)
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
-                                 context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-                                 decode_order=None if self.decode_order is None else self.decode_order[:bs])
+    def bucket(self, num_seqs: int) -> int:
+        """The batch size of the graph that runs num_seqs rows."""
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    def to_device(self, packed: np.ndarray) -> torch.Tensor:
+        """A step's packed inputs copied to the start of `inputs` (a ToDevice for to_device_packed)."""
+        inputs = self.inputs[:packed.nbytes]
+        inputs.copy_(torch.from_numpy(packed).view(torch.uint8).pin_memory(), non_blocking=True)
+        return inputs
 
     @torch.inference_mode()
-    def _capture_all(self):
+    def _capture_all(self, runner):
         # Largest first, so smaller graphs fit in the memory pool the largest one reserved.
         for bs in reversed(self.buckets):
-            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+            rows = to_device_packed(runner.decode_rows([], bs), self.to_device)  # padding rows only
+            meta = AttentionMetadata(is_prefill=False, slot_mapping=rows["slot_mapping"],
+                                     context_lens=rows["context_lens"], block_tables=self.block_tables[:bs],
+                                     decode_order=rows.get("decode_order"))
+            args = (rows["input_ids"], rows["positions"], meta)
             self.model(*args)  # warm-up (kernel selection, autotuning) outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
@@ -57,19 +68,12 @@ class DecodeGraphs:
             self.graphs[bs] = graph
             torch.cuda.synchronize()
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        bs = input_ids.size(0)
-        graph_bs = next(b for b in self.buckets if b >= bs)
-        self.input_ids[:bs] = input_ids
-        self.positions[:bs] = positions
-        self.slot_mapping[:bs] = meta.slot_mapping
-        self.slot_mapping[bs:graph_bs] = -1  # padding rows write nothing to the cache...
-        self.context_lens[:bs] = meta.context_lens
-        self.context_lens[bs:graph_bs] = 0  # ...and read nothing from it
-        self.block_tables[:bs, :meta.block_tables.size(1)] = meta.block_tables
-        if self.decode_order is not None:
-            self.decode_order[:bs] = meta.decode_order
-            self.decode_order[bs:graph_bs] = self.rows[bs:graph_bs]
+    def replay(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden states of a step whose inputs prepare_decode copied to `inputs` (padded to its bucket's
+        rows); meta.block_tables holds the real rows' tables."""
+        bs, width = meta.block_tables.shape
+        graph_bs = meta.context_lens.size(0)
+        self.block_tables[:bs, :width] = meta.block_tables
         self.graphs[graph_bs].replay()
         return self.outputs[graph_bs][:bs]
 

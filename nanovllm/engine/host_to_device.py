@@ -14,11 +14,10 @@ TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.int64): torch.i
 
 
 def to_device_packed(arrays: dict[str, np.ndarray], to_device: ToDevice) -> dict[str, torch.Tensor]:
-    """The arrays on the device by one to_device call: their bytes packed, and viewed back in their dtypes
-    and shapes (views cost no kernel launch). Each starts at a multiple of ALIGNMENT bytes, as Triton
-    specializes a kernel for pointers so aligned: other offsets would compile a second variant."""
-    if len(arrays) == 1:
-        return {name: to_device(array) for name, array in arrays.items()}
+    """The arrays on the device by one to_device call, of an int64 array holding their bytes, viewed back in
+    their dtypes and shapes (views cost no kernel launch). Each starts at a multiple of ALIGNMENT bytes, as
+    Triton specializes a kernel for pointers so aligned: other offsets would compile a second variant. The
+    offsets depend only on the arrays' order, dtypes and sizes."""
     offsets, total = [], 0
     for array in arrays.values():
         offsets.append(total)

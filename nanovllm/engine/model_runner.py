@@ -258,23 +258,36 @@ class ModelRunner:
             meta.dequant_groups = workspace_groups(cu_q, cu_k, self.dequant_workspace.shape[1])
         return device["input_ids"], device["positions"], meta, device["sample_rows"]
 
-    def prepare_decode(self, seqs: list[Sequence]):
-        """One token per sequence: its last token at position len - 1. A last token still in flight
-        (a placeholder) is the previous step's sampled token, read on the device."""
-        token_ids = np.array([seq.scheduled_token_ids()[0] for seq in seqs], dtype=np.int64)
+    def decode_rows(self, seqs: list[Sequence], rows: int) -> dict[str, np.ndarray]:
+        """A decode step's per-row inputs: one token per sequence, its last at position len - 1, then padding
+        up to `rows` rows (a CUDA graph's batch size), which hold token 0 at position 0, write no cache slot
+        and read no key, and keep their place in the decode order (the Triton backend's)."""
+        def padded(values: np.ndarray, fill: int) -> np.ndarray:
+            return np.concatenate([values, np.full(rows - len(values), fill, dtype=values.dtype)])
+
         positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
         last_blocks = np.array([seq.block_table[-1] for seq in seqs], dtype=np.int64)
         context_lens = (positions + 1).astype(np.int32)
-        host = {"input_ids": token_ids, "positions": positions,
-                "slot_mapping": last_blocks * self.block_size + positions % self.block_size,
-                "context_lens": context_lens, "block_tables": self._block_tables(seqs)}
+        host = {"input_ids": padded(np.array([seq.scheduled_token_ids()[0] for seq in seqs], dtype=np.int64), 0),
+                "positions": padded(positions, 0),
+                "slot_mapping": padded(last_blocks * self.block_size + positions % self.block_size, -1),
+                "context_lens": padded(context_lens, 0)}
         if self.config.attention_backend == "triton":
-            host["decode_order"] = np.argsort(-context_lens, kind="stable").astype(np.int32)
-        inflight = np.flatnonzero(token_ids == PLACEHOLDER)
+            order = np.argsort(-context_lens, kind="stable").astype(np.int32)
+            host["decode_order"] = np.concatenate([order, np.arange(len(seqs), rows, dtype=np.int32)])
+        return host
+
+    def prepare_decode(self, seqs: list[Sequence], graphs: DecodeGraphs | None = None):
+        """The decode inputs of `seqs` on the device by one copy; with `graphs`, padded to the bucket's rows,
+        where its graph reads them. A last token still in flight (a placeholder) is the previous step's
+        sampled token, read on the device."""
+        host = self.decode_rows(seqs, graphs.bucket(len(seqs)) if graphs is not None else len(seqs))
+        host["block_tables"] = self._block_tables(seqs)
+        inflight = np.flatnonzero(host["input_ids"] == PLACEHOLDER)
         if inflight.size:  # their rows in this step, and in last_tokens
             host["inflight"] = inflight.astype(np.int64)
             host["inflight_rows"] = np.array([self.last_token_rows[seqs[i].seq_id] for i in inflight], dtype=np.int64)
-        device = to_device_packed(host, self._to_device)
+        device = to_device_packed(host, graphs.to_device if graphs is not None else self._to_device)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=device["slot_mapping"],
                                  context_lens=device["context_lens"], block_tables=device["block_tables"],
                                  decode_order=device.get("decode_order"))
@@ -301,11 +314,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)[sample_rows]
             sampling_seqs = [seq for seq in seqs if seq.completes_prefill]
         else:
-            input_ids, positions, meta = self.prepare_decode(seqs)
-            if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
-                hidden = self.graphs.replay(input_ids, positions, meta)
-            else:
-                hidden = self.model(input_ids, positions, meta)
+            graphs = self.graphs if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size else None
+            input_ids, positions, meta = self.prepare_decode(seqs, graphs)
+            hidden = graphs.replay(meta) if graphs is not None else self.model(input_ids, positions, meta)
             sampling_seqs = seqs
         logits = self.model.compute_logits(hidden)
         if not sampling_seqs:
