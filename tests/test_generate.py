@@ -133,14 +133,14 @@ def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_refe
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton",
              max_num_batched_tokens=40) as llm:
         orders = []  # (context lengths, decode order) of each decode step
-        prepare = llm.model_runner.prepare_decode
+        prepare = llm.model_runner.inputs.prepare_decode
 
         def spy(seqs, *args):
             input_ids, positions, meta = prepare(seqs, *args)
             orders.append((meta.context_lens.tolist(), meta.decode_order.tolist()))
             return input_ids, positions, meta
 
-        llm.model_runner.prepare_decode = spy
+        llm.model_runner.inputs.prepare_decode = spy
         outputs = llm.generate(prompts[:6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [ref[:8] for ref in hf_reference[:6]]
@@ -152,13 +152,13 @@ def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_refe
 def count_inflight_inputs(llm) -> list[tuple[int, int]]:
     """Spy on decode input preparation: (inputs still in flight, batch size) of each decode step."""
     counts = []
-    prepare = llm.model_runner.prepare_decode
+    prepare = llm.model_runner.inputs.prepare_decode
 
     def spy(seqs, *args):
         counts.append((sum(seq.scheduled_token_ids()[0] == PLACEHOLDER for seq in seqs), len(seqs)))
         return prepare(seqs, *args)
 
-    llm.model_runner.prepare_decode = spy
+    llm.model_runner.inputs.prepare_decode = spy
     return counts
 
 

@@ -29,12 +29,12 @@ def test_packed_arrays_come_back_equal_and_aligned():
 
 def test_a_step_copies_its_inputs_to_the_device_once(tiny_model, prompts):
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton") as llm:
-        runner = llm.model_runner
+        inputs = llm.model_runner.inputs
         copies, steps = [], []
-        to_device = runner._to_device
-        runner._to_device = lambda array: copies.append(array.shape) or to_device(array)
+        to_device = inputs.to_device
+        inputs.to_device = lambda array: copies.append(array.shape) or to_device(array)
         for name in ("prepare_prefill", "prepare_decode"):
-            prepare = getattr(runner, name)
+            prepare = getattr(inputs, name)
 
             def spy(*args, prepare=prepare, name=name):
                 before = len(copies)
@@ -42,7 +42,7 @@ def test_a_step_copies_its_inputs_to_the_device_once(tiny_model, prompts):
                 steps.append((name, len(copies) - before))
                 return result
 
-            setattr(runner, name, spy)
+            setattr(inputs, name, spy)
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert ("prepare_prefill", 1) in steps and ("prepare_decode", 1) in steps
     assert all(count == 1 for _, count in steps)
@@ -52,13 +52,13 @@ def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model):
     """A decode graph of R rows reads its inputs at the offsets that packing R padding rows gave at capture
     (cuda_graph.DecodeGraphs): a real step's rows, padded to R, must land at the same offsets."""
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton") as llm:
-        runner = llm.model_runner
+        inputs = llm.model_runner.inputs
         seqs = llm.make_sequences([[5, 6, 7], list(range(1, 21))], SamplingParams())
         for block, seq in enumerate(seqs):  # as the scheduler leaves them for a decode step
             seq.block_table = [2 * block + 1, 2 * block + 2][:seq.num_blocks]
             seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
-        rows = runner.decode_rows(seqs, 4)
-        capture = runner.decode_rows([], 4)
+        rows = inputs.decode_rows(seqs, 4)
+        capture = inputs.decode_rows([], 4)
 
     assert {name: array.tolist() for name, array in rows.items()} == {
         "input_ids": [7, 20, 0, 0], "positions": [2, 19, 0, 0], "slot_mapping": [1 * 16 + 2, 4 * 16 + 3, -1, -1],

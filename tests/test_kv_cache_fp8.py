@@ -138,7 +138,7 @@ def test_fp8_chunked_prefill_dequantizes_the_prefix(tiny_model, monkeypatch):
     for backend in ("triton", "torch"):
         with LLM(tiny_model, kv_cache_dtype="fp8", attention_backend=backend, max_num_batched_tokens=150,
                  **options) as llm:
-            workspace = llm.model_runner.dequant_workspace
+            workspace = llm.model_runner.inputs.dequant_workspace
             if backend == "triton":  # max_model_len tokens, K and V, the tiny model's 2 kv heads of 16
                 assert workspace.shape == (2, 512, 2, 16) and workspace.dtype == torch.float32
             else:

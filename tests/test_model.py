@@ -20,7 +20,7 @@ def our_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
         llm.scheduler.block_manager.allocate(seq, [])
         seq.num_scheduled_tokens = len(prompt)
         seqs.append(seq)
-    input_ids, positions, meta, _ = runner.prepare_prefill(seqs)
+    input_ids, positions, meta, _ = runner.inputs.prepare_prefill(seqs)
     with torch.inference_mode():
         logits = runner.model.compute_logits(runner.model(input_ids, positions, meta))
     for seq in seqs:

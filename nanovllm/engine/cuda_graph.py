@@ -22,7 +22,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """A graph per batch-size bucket reads its per-row inputs (token ids, positions, slots, context lengths,
     decode order) where the step's one packed host-to-device copy puts them: the start of `inputs`, at the
-    offsets host_to_device.to_device_packed gives arrays of the bucket's row count (ModelRunner.decode_rows
+    offsets host_to_device.to_device_packed gives arrays of the bucket's row count (StepInputs.decode_rows
     pads them). Only the block tables, whose width varies, are copied into the graphs' own buffer."""
 
     def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int):
@@ -31,7 +31,7 @@ class DecodeGraphs:
         self.max_batch_size = max_num_seqs
         n = max_num_seqs
         # The row arrays (5 at most, 8 bytes a row), the block tables and two inflight arrays, each
-        # padded to 16 bytes: what prepare_decode packs at most.
+        # padded to 16 bytes: what StepInputs.prepare_decode packs at most.
         self.inputs = torch.zeros(n * (7 * 8 + 4 * max_blocks_per_seq) + 8 * 16, dtype=torch.uint8,
                                   device=runner.device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=runner.device)
@@ -54,7 +54,7 @@ class DecodeGraphs:
     def _capture_all(self, runner):
         # Largest first, so smaller graphs fit in the memory pool the largest one reserved.
         for bs in reversed(self.buckets):
-            rows = to_device_packed(runner.decode_rows([], bs), self.to_device)  # padding rows only
+            rows = to_device_packed(runner.inputs.decode_rows([], bs), self.to_device)  # padding rows only
             meta = AttentionMetadata(is_prefill=False, slot_mapping=rows["slot_mapping"],
                                      context_lens=rows["context_lens"], block_tables=self.block_tables[:bs],
                                      decode_order=rows.get("decode_order"))
@@ -69,7 +69,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
 
     def replay(self, meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of a step whose inputs prepare_decode copied to `inputs` (padded to its bucket's
+        """The hidden states of a step whose inputs StepInputs.prepare_decode copied to `inputs` (padded to its bucket's
         rows); meta.block_tables holds the real rows' tables."""
         bs, width = meta.block_tables.shape
         graph_bs = meta.context_lens.size(0)

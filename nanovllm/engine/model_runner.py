@@ -1,4 +1,5 @@
-"""One ModelRunner per tensor-parallel rank: owns the model shard, the KV pool and the step inputs.
+"""One ModelRunner per tensor-parallel rank: owns the model shard, the KV pool, the CUDA graphs and the step
+inputs (step_inputs.py).
 
 Rank 0 lives in the engine's process and samples; ranks 1.. are spawned workers that loop on calls
 received over shared memory (`ShmChannel`). Every rank runs every call, so collectives line up.
@@ -10,17 +11,15 @@ import time
 from contextlib import contextmanager
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config, head_dim
 from nanovllm.engine.cuda_graph import DecodeGraphs, SamplerGraphs
-from nanovllm.engine.host_to_device import to_device_packed
 from nanovllm.engine.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerEnd
-from nanovllm.layers.attention import AttentionMetadata, dequantizing_pays, workspace_groups
+from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
@@ -83,11 +82,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_kv_heads = hf.num_key_value_heads // self.world_size
         self.head_dim = head_dim(hf)
+        self.inputs = StepInputs(self.device, self.block_size, decode_order=config.attention_backend == "triton")
         self.num_kvcache_blocks = self._allocate_kv_cache()
-        # The last step's sampled tokens, left on the device (and on every rank): the next step may be
-        # launched before they reach the host, and then takes its input tokens from here.
-        self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self.last_token_rows: dict[int, int] = {}  # seq_id -> row in last_tokens
         self.graphs = self.sampler_graphs = None
         if is_cuda and not config.enforce_eager:
             self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq)
@@ -125,7 +121,7 @@ class ModelRunner:
                 graphs.release()
         self.graphs = self.sampler_graphs = None
         # Free the GPU memory even if the engine object lives on.
-        self.model = self.kv_cache = self.kv_scales = self.dequant_workspace = None
+        self.model = self.kv_cache = self.kv_scales = self.inputs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -142,10 +138,9 @@ class ModelRunner:
         fp8 = cache_dtype == torch.float8_e4m3fn
         # Before the pool is sized, so the profile counts it: where prefill dequantizes an fp8 prefix
         # (attention.triton_attention). Any one context fits (max_model_len), and a full batch of prompts.
-        self.dequant_workspace = None
         if fp8 and self.config.attention_backend == "triton":
             capacity = max(self.config.max_model_len, self.config.max_num_batched_tokens)
-            self.dequant_workspace = torch.empty(2, capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+            self.inputs.dequant_workspace = torch.empty(2, capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                                                  device=self.device)
         token_bytes = self.num_kv_heads * (self.head_dim * cache_dtype.itemsize + (4 if fp8 else 0))
         block_bytes = 2 * hf.num_hidden_layers * self.block_size * token_bytes
@@ -188,13 +183,13 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         lens = [min(self.config.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.config.max_model_len)]
         seqs = [_dummy_sequence(n, self.block_size) for n in lens]
-        input_ids, positions, meta, _ = self.prepare_prefill(seqs)
+        input_ids, positions, meta, _ = self.inputs.prepare_prefill(seqs)
         hidden = self.model(input_ids, positions, meta)
         rows = hidden[-1:].expand(self.config.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if self.rank == 0:
             profiled = [Sequence([0], ALL_CONTROLS, self.block_size)] * len(rows)  # the most memory-hungry path
-            self.sampler(logits, build_sampling_metadata(profiled, logits.shape[1], self._to_device))
+            self.sampler(logits, build_sampling_metadata(profiled, logits.shape[1], self.inputs.to_device))
         del hidden, rows, logits
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -203,104 +198,6 @@ class ModelRunner:
         used_outside_peak = total - free - current  # other processes, CUDA context, allocator cache
         return int(total * self.config.gpu_memory_utilization - used_outside_peak - peak)
 
-    # ---- step inputs ---------------------------------------------------------------------------
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
-
-    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = seq.block_table
-        return tables
-
-    def prepare_prefill(self, seqs: list[Sequence]):
-        """Flattened chunk tokens of all sequences, their positions and cache slots, and the varlen
-        metadata. Returns (input_ids, positions, meta, sample_rows) where sample_rows index the last
-        token of every sequence whose prefill completes in this step."""
-        input_ids, positions, slots = [], [], []
-        cu_q, cu_k, sample_rows = [0], [0], []
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
-            pos = np.arange(start, end)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            input_ids.append(np.asarray(seq.scheduled_token_ids(), dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            cu_q.append(cu_q[-1] + end - start)
-            cu_k.append(cu_k[-1] + end)
-            if seq.completes_prefill:
-                sample_rows.append(cu_q[-1] - 1)
-        cu_seqlens_k = np.asarray(cu_k, dtype=np.int32)
-        device = to_device_packed({
-            "input_ids": np.concatenate(input_ids), "positions": np.concatenate(positions),
-            "slot_mapping": np.concatenate(slots), "context_lens": np.diff(cu_seqlens_k),
-            "block_tables": self._block_tables(seqs), "cu_seqlens_q": np.asarray(cu_q, dtype=np.int32),
-            "cu_seqlens_k": cu_seqlens_k, "sample_rows": np.asarray(sample_rows, dtype=np.int64),
-        }, self._to_device)
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=device["slot_mapping"],
-            context_lens=device["context_lens"],
-            block_tables=device["block_tables"],
-            cu_seqlens_q=device["cu_seqlens_q"],
-            cu_seqlens_k=device["cu_seqlens_k"],
-            max_seqlen_q=int(np.diff(cu_q).max()),
-            max_seqlen_k=int(np.diff(cu_k).max()),
-            prefix_cached=any(seq.num_cached_tokens > 0 for seq in seqs),
-        )
-        if self.dequant_workspace is not None and meta.prefix_cached and dequantizing_pays(cu_q, cu_k):
-            meta.dequant_workspace = self.dequant_workspace
-            meta.dequant_groups = workspace_groups(cu_q, cu_k, self.dequant_workspace.shape[1])
-        return device["input_ids"], device["positions"], meta, device["sample_rows"]
-
-    def decode_rows(self, seqs: list[Sequence], rows: int) -> dict[str, np.ndarray]:
-        """A decode step's per-row inputs: one token per sequence, its last at position len - 1, then padding
-        up to `rows` rows (a CUDA graph's batch size), which hold token 0 at position 0, write no cache slot
-        and read no key, and keep their place in the decode order (the Triton backend's)."""
-        def padded(values: np.ndarray, fill: int) -> np.ndarray:
-            return np.concatenate([values, np.full(rows - len(values), fill, dtype=values.dtype)])
-
-        positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
-        last_blocks = np.array([seq.block_table[-1] for seq in seqs], dtype=np.int64)
-        context_lens = (positions + 1).astype(np.int32)
-        host = {"input_ids": padded(np.array([seq.scheduled_token_ids()[0] for seq in seqs], dtype=np.int64), 0),
-                "positions": padded(positions, 0),
-                "slot_mapping": padded(last_blocks * self.block_size + positions % self.block_size, -1),
-                "context_lens": padded(context_lens, 0)}
-        if self.config.attention_backend == "triton":
-            order = np.argsort(-context_lens, kind="stable").astype(np.int32)
-            host["decode_order"] = np.concatenate([order, np.arange(len(seqs), rows, dtype=np.int32)])
-        return host
-
-    def prepare_decode(self, seqs: list[Sequence], graphs: DecodeGraphs | None = None):
-        """The decode inputs of `seqs` on the device by one copy; with `graphs`, padded to the bucket's rows,
-        where its graph reads them. A last token still in flight (a placeholder) is the previous step's
-        sampled token, read on the device."""
-        host = self.decode_rows(seqs, graphs.bucket(len(seqs)) if graphs is not None else len(seqs))
-        host["block_tables"] = self._block_tables(seqs)
-        inflight = np.flatnonzero(host["input_ids"] == PLACEHOLDER)
-        if inflight.size:  # their rows in this step, and in last_tokens
-            host["inflight"] = inflight.astype(np.int64)
-            host["inflight_rows"] = np.array([self.last_token_rows[seqs[i].seq_id] for i in inflight], dtype=np.int64)
-        device = to_device_packed(host, graphs.to_device if graphs is not None else self._to_device)
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=device["slot_mapping"],
-                                 context_lens=device["context_lens"], block_tables=device["block_tables"],
-                                 decode_order=device.get("decode_order"))
-        input_ids = device["input_ids"]
-        if inflight.size:
-            input_ids[device["inflight"]] = self.last_tokens[device["inflight_rows"]]
-        return input_ids, device["positions"], meta
-
-    def _inflight_tokens(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The tokens the previous step sampled for `seqs`, read on the device."""
-        rows = np.array([self.last_token_rows[seq.seq_id] for seq in seqs], dtype=np.int64)
-        return self.last_tokens[self._to_device(rows)]
-
     # ---- the step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -308,14 +205,12 @@ class ModelRunner:
         """Launch one step without waiting for it. On rank 0, return its sampled tokens (one per
         sequence that completes its prefill; every sequence in decode) on their way to the host."""
         if is_prefill:
-            # Prefill chunks hold no placeholder: a preempted sequence is re-prefilled only after the
-            # step that sampled its last token has been postprocessed.
-            input_ids, positions, meta, sample_rows = self.prepare_prefill(seqs)
+            input_ids, positions, meta, sample_rows = self.inputs.prepare_prefill(seqs)
             hidden = self.model(input_ids, positions, meta)[sample_rows]
             sampling_seqs = [seq for seq in seqs if seq.completes_prefill]
         else:
             graphs = self.graphs if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size else None
-            input_ids, positions, meta = self.prepare_decode(seqs, graphs)
+            input_ids, positions, meta = self.inputs.prepare_decode(seqs, graphs)
             hidden = graphs.replay(meta) if graphs is not None else self.model(input_ids, positions, meta)
             sampling_seqs = seqs
         logits = self.model.compute_logits(hidden)
@@ -328,16 +223,15 @@ class ModelRunner:
             tokens = torch.empty(len(sampling_seqs), dtype=torch.int64, device=self.device)
         if self.world_size > 1:
             dist.broadcast(tokens, src=0)
-        self.last_tokens = tokens
-        self.last_token_rows = {seq.seq_id: row for row, seq in enumerate(sampling_seqs)}
+        self.inputs.sampled(tokens, sampling_seqs)
         return PendingOutput(output, self.channel) if self.rank == 0 else None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Rank 0: a token per sequence."""
         if self.sampler_graphs is not None:
-            return self.sampler_graphs(logits, seqs, self._to_device, self._inflight_tokens)
-        return self.sampler(logits, build_sampling_metadata(seqs, logits.shape[1], self._to_device,
-                                                            self._inflight_tokens))
+            return self.sampler_graphs(logits, seqs, self.inputs.to_device, self.inputs.inflight_tokens)
+        return self.sampler(logits, build_sampling_metadata(seqs, logits.shape[1], self.inputs.to_device,
+                                                            self.inputs.inflight_tokens))
 
 
 class PendingOutput:
