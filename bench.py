@@ -274,12 +274,15 @@ def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: i
     graphs = SamplerGraphs(sampler, num_rows)
     runs = [(num_rows, name) for name in mixes] + [(1, "temperature only"), (1, "every control, every row")]
 
-    def graphed_step(batch: int, seqs: list) -> list[int]:
-        """One step as the engine takes it: metadata from the sequences, sample, tokens to the host."""
-        return graphs(logits[:batch], seqs, to_device).token_ids.tolist()
-
     def eager_step(batch: int, seqs: list) -> list[int]:
         return sampler(logits[:batch], build_sampling_metadata(seqs, vocab_size, to_device)).token_ids.tolist()
+
+    def graphed_step(batch: int, seqs: list) -> list[int]:
+        """One step as the engine takes it (ModelRunner._sample): metadata from the sequences, sample (by a
+        graph where one applies), tokens to the host."""
+        if not graphs.applies(seqs):
+            return eager_step(batch, seqs)
+        return graphs(logits[:batch], seqs, to_device).token_ids.tolist()
 
     def time_steps(step, batch: int, seqs: list) -> float:
         for _ in range(5):  # warm-up (and the graph's capture)

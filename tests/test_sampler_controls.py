@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nanovllm.engine.cuda_graph import SamplerGraphs
 from nanovllm.engine.sampling_metadata import build_sampling_metadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import sampler as sampler_module
@@ -390,3 +391,13 @@ def test_padded_metadata_samples_the_same_rows(impl):
     assert got.token_ids.tolist()[:5] == want.token_ids.tolist()
     assert torch.equal(got.logprob_token_ids[:5], want.logprob_token_ids)
     assert torch.equal(got.logprobs[:5], want.logprobs)
+
+
+def test_sampler_graphs_apply_to_batches_with_controls_within_the_buckets():
+    graphs = SamplerGraphs(Sampler(), max_num_seqs=4)
+    temperature, top_k = SamplingParams(temperature=0.6), SamplingParams(top_k=5)
+    seqs = lambda *params: [Sequence([1, 2], p, 16) for p in params]  # noqa: E731
+    assert not graphs.applies(seqs(temperature, SamplingParams(temperature=0)))  # one kernel: eager
+    assert graphs.applies(seqs(temperature, top_k))
+    assert graphs.applies(seqs(top_k, top_k, top_k, top_k))
+    assert not graphs.applies(seqs(top_k, top_k, top_k, top_k, top_k))  # more rows than the largest bucket

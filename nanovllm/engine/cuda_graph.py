@@ -98,15 +98,17 @@ class SamplerGraphs:
         self.captured: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplingMetadata, SamplerOutput]] = {}
         self.pool = None
 
+    def applies(self, seqs: list[Sequence]) -> bool:
+        """Whether a graph samples `seqs`: not for a temperature-only batch, nor one larger than the buckets."""
+        return len(seqs) <= self.max_batch_size and not all(seq.only_temperature for seq in seqs)
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], to_device: ToDevice,
                  inflight_tokens: InflightTokens | None = None) -> SamplerOutput:
-        """A token per sequence (see build_sampling_metadata for the arguments): eagerly for a
-        temperature-only batch or one larger than the buckets, else by the graph of its shape. The
-        graph's output tensors are views of its static buffers, valid until its next replay."""
+        """A token per sequence of a batch the graphs apply to (see build_sampling_metadata for the
+        arguments), by the graph of its shape. The graph's output tensors are views of its static
+        buffers, valid until its next replay."""
         num_rows, vocab_size = logits.shape
-        if num_rows > self.max_batch_size or all(seq.only_temperature for seq in seqs):
-            return self.sampler(logits, build_sampling_metadata(seqs, vocab_size, to_device, inflight_tokens))
         graph_rows = next(b for b in self.buckets if b >= num_rows)
         meta = build_sampling_metadata(seqs, vocab_size, to_device, inflight_tokens, num_rows=graph_rows)
         if self.logits is None:

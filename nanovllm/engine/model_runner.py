@@ -227,8 +227,8 @@ class ModelRunner:
         return PendingOutput(output, self.channel) if self.rank == 0 else None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """Rank 0: a token per sequence."""
-        if self.sampler_graphs is not None:
+        """Rank 0: a token per sequence, by a sampler graph where one applies, else eagerly."""
+        if self.sampler_graphs is not None and self.sampler_graphs.applies(seqs):
             return self.sampler_graphs(logits, seqs, self.inputs.to_device, self.inputs.inflight_tokens)
         return self.sampler(logits, build_sampling_metadata(seqs, logits.shape[1], self.inputs.to_device,
                                                             self.inputs.inflight_tokens))
