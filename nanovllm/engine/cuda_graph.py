@@ -69,8 +69,8 @@ class DecodeGraphs:
             torch.cuda.synchronize()
 
     def replay(self, meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of a step whose inputs StepInputs.prepare_decode copied to `inputs` (padded to its bucket's
-        rows); meta.block_tables holds the real rows' tables."""
+        """The hidden states of a step whose inputs StepInputs.prepare_decode copied to `inputs` (padded to
+        its bucket's rows); meta.block_tables holds the real rows' tables."""
         bs, width = meta.block_tables.shape
         graph_bs = meta.context_lens.size(0)
         self.block_tables[:bs, :width] = meta.block_tables

@@ -140,8 +140,8 @@ class ModelRunner:
         # (attention.triton_attention). Any one context fits (max_model_len), and a full batch of prompts.
         if fp8 and self.config.attention_backend == "triton":
             capacity = max(self.config.max_model_len, self.config.max_num_batched_tokens)
-            self.inputs.dequant_workspace = torch.empty(2, capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype,
-                                                 device=self.device)
+            self.inputs.dequant_workspace = torch.empty(2, capacity, self.num_kv_heads, self.head_dim,
+                                                        dtype=self.dtype, device=self.device)
         token_bytes = self.num_kv_heads * (self.head_dim * cache_dtype.itemsize + (4 if fp8 else 0))
         block_bytes = 2 * hf.num_hidden_layers * self.block_size * token_bytes
         if self.config.num_kvcache_blocks > 0:
@@ -223,7 +223,7 @@ class ModelRunner:
             tokens = torch.empty(len(sampling_seqs), dtype=torch.int64, device=self.device)
         if self.world_size > 1:
             dist.broadcast(tokens, src=0)
-        self.inputs.sampled(tokens, sampling_seqs)
+        self.inputs.keep_sampled(tokens, sampling_seqs)
         return PendingOutput(output, self.channel) if self.rank == 0 else None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:

@@ -118,7 +118,7 @@ class StepInputs:
             input_ids[device["inflight"]] = self.last_tokens[device["inflight_rows"]]
         return input_ids, device["positions"], meta
 
-    def sampled(self, tokens: torch.Tensor, seqs: list[Sequence]):
+    def keep_sampled(self, tokens: torch.Tensor, seqs: list[Sequence]):
         """Keep a step's sampled tokens [len(seqs)], on the device, for the next step's in-flight inputs."""
         self.last_tokens = tokens
         self.last_token_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
