@@ -4,7 +4,10 @@ import numpy as np
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.cuda_graph import decode_inputs_bytes
 from nanovllm.engine.host_to_device import ALIGNMENT, to_device_packed
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.step_inputs import StepInputs
 
 
 def test_packed_arrays_come_back_equal_and_aligned():
@@ -72,3 +75,25 @@ def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model):
 
     step = {**rows, "block_tables": np.zeros((2, 2), dtype=np.int32), "inflight": np.arange(2)}
     assert offsets(step) == offsets(capture)
+
+
+def test_the_largest_decode_step_fits_the_graphs_input_buffer():
+    """A full batch, every block-table row at its widest and every token in flight: the most
+    prepare_decode packs, which the decode graphs' input buffer must hold (to the byte but the padding)."""
+    rows, width, block_size = 64, 4, 16
+    inputs = StepInputs(torch.device("cpu"), block_size, decode_order=True)
+    seqs = []
+    for i in range(rows):
+        seq = Sequence(list(range(1, block_size * width + 1)), SamplingParams(), block_size)
+        seq.token_ids[-1] = PLACEHOLDER
+        seq.block_table = list(range(i * width, (i + 1) * width))
+        seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
+        seqs.append(seq)
+    inputs.keep_sampled(torch.arange(100, 100 + rows), seqs)
+    packed = []
+    inputs.to_device = lambda array: packed.append(array.nbytes) or torch.from_numpy(array)
+    input_ids, _, meta = inputs.prepare_decode(seqs)
+    assert input_ids.tolist() == list(range(100, 100 + rows))  # the in-flight tokens, read "on the device"
+    assert meta.block_tables.shape == (rows, width)
+    capacity = decode_inputs_bytes(rows, width)
+    assert capacity - 8 * ALIGNMENT <= packed[0] <= capacity

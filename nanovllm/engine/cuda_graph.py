@@ -6,7 +6,7 @@ import copy
 import numpy as np
 import torch
 
-from nanovllm.engine.host_to_device import ToDevice, to_device_packed
+from nanovllm.engine.host_to_device import ALIGNMENT, ToDevice, to_device_packed
 from nanovllm.engine.sampling_metadata import InflightTokens, build_sampling_metadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata
@@ -19,6 +19,13 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
+def decode_inputs_bytes(max_num_seqs: int, max_blocks_per_seq: int) -> int:
+    """What StepInputs.prepare_decode packs at most: per row, the row arrays (token id, position and slot in
+    int64; context length and decode order in int32), the block-table row and the two int64 in-flight
+    arrays; each of the eight arrays padded to ALIGNMENT."""
+    return max_num_seqs * (3 * 8 + 2 * 4 + 4 * max_blocks_per_seq + 2 * 8) + 8 * ALIGNMENT
+
+
 class DecodeGraphs:
     """A graph per batch-size bucket reads its per-row inputs (token ids, positions, slots, context lengths,
     decode order) where the step's one packed host-to-device copy puts them: the start of `inputs`, at the
@@ -29,12 +36,9 @@ class DecodeGraphs:
         self.model = runner.model
         self.buckets = batch_buckets(max_num_seqs)
         self.max_batch_size = max_num_seqs
-        n = max_num_seqs
-        # The row arrays (5 at most, 8 bytes a row), the block tables and two inflight arrays, each
-        # padded to 16 bytes: what StepInputs.prepare_decode packs at most.
-        self.inputs = torch.zeros(n * (7 * 8 + 4 * max_blocks_per_seq) + 8 * 16, dtype=torch.uint8,
+        self.inputs = torch.zeros(decode_inputs_bytes(max_num_seqs, max_blocks_per_seq), dtype=torch.uint8,
                                   device=runner.device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=runner.device)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
