@@ -1,6 +1,8 @@
-"""Host-side cost of a decode step's bookkeeping (Scheduler.schedule + Scheduler.postprocess) at a
-given batch size, with a fake model: pure Python, no GPU. The GPU idles for this long every step
-unless it is overlapped, so it bounds decode throughput at large batch.
+"""Host-side cost of a decode step's bookkeeping (Scheduler.schedule + Scheduler.postprocess) and of its
+inputs (StepInputs.prepare_decode, build_sampling_metadata: what they cost the host before the copy to the
+device) at a given batch size, with a fake model: pure Python, no GPU. Where the host's whole step takes
+longer than the GPU's, the GPU idles between steps (bench.py --single-stream reports how long the host
+waited for the GPU).
 
     python scripts/bench_host.py --batch 256 --steps 200
 """
@@ -9,8 +11,12 @@ import argparse
 import random
 import time
 
+import torch
+
+from nanovllm.engine.sampling_metadata import build_sampling_metadata
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -31,10 +37,17 @@ def main():
     seqs, is_prefill = scheduler.schedule()
     assert is_prefill and len(seqs) == args.batch
     scheduler.postprocess(scheduler.commit(seqs, is_prefill), [1] * len(seqs))
-    schedule_s = postprocess_s = 0.0
+    inputs = StepInputs(torch.device("cpu"), 256, decode_order=True)
+    schedule_s = postprocess_s = inputs_s = 0.0
     for _ in range(args.steps):
         start = time.perf_counter()
         seqs, is_prefill = scheduler.schedule()
+        schedule_s += time.perf_counter() - start
+        start = time.perf_counter()
+        inputs.prepare_decode(seqs)
+        build_sampling_metadata(seqs, 151936, inputs.to_device, inputs.inflight_tokens)
+        inputs_s += time.perf_counter() - start
+        start = time.perf_counter()
         step = scheduler.commit(seqs, is_prefill)
         schedule_s += time.perf_counter() - start
         tokens = [rng.randrange(1, 10000) for _ in seqs]
@@ -43,6 +56,7 @@ def main():
         postprocess_s += time.perf_counter() - middle
         assert not is_prefill and len(seqs) == args.batch
     print(f"batch {args.batch}: schedule {schedule_s / args.steps * 1e3:.3f} ms/step, "
+          f"inputs {inputs_s / args.steps * 1e3:.3f} ms/step, "
           f"postprocess {postprocess_s / args.steps * 1e3:.3f} ms/step")
 
 

@@ -27,5 +27,10 @@ def to_device_packed(arrays: dict[str, np.ndarray], to_device: ToDevice) -> dict
         start = offset // array.itemsize
         packed.view(array.dtype)[start:start + array.size] = array.reshape(-1)
     device = to_device(packed).view(torch.uint8)
-    return {name: device[offset:offset + array.nbytes].view(TORCH_DTYPES[array.dtype]).view(array.shape)
-            for (name, array), offset in zip(arrays.items(), offsets)}
+    typed = {dtype: device.view(TORCH_DTYPES[dtype]) for dtype in {array.dtype for array in arrays.values()}}
+    views = {}
+    for (name, array), offset in zip(arrays.items(), offsets):  # one slice per 1-D array: each op costs ~2 µs
+        start = offset // array.itemsize
+        view = typed[array.dtype][start:start + array.size]
+        views[name] = view if array.ndim == 1 else view.view(array.shape)
+    return views

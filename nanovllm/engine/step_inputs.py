@@ -85,6 +85,8 @@ class StepInputs:
         up to `rows` rows (a CUDA graph's batch size), which hold token 0 at position 0, write no cache slot
         and read no key, and keep their place in the decode order."""
         def padded(values: np.ndarray, fill: int) -> np.ndarray:
+            if len(values) == rows:
+                return values
             return np.concatenate([values, np.full(rows - len(values), fill, dtype=values.dtype)])
 
         positions = np.array([len(seq) - 1 for seq in seqs], dtype=np.int64)
@@ -96,7 +98,9 @@ class StepInputs:
                 "context_lens": padded(context_lens, 0)}
         if self.decode_order:
             order = np.argsort(-context_lens, kind="stable").astype(np.int32)
-            host["decode_order"] = np.concatenate([order, np.arange(len(seqs), rows, dtype=np.int32)])
+            if rows > len(seqs):  # the padding rows keep their place
+                order = np.concatenate([order, np.arange(len(seqs), rows, dtype=np.int32)])
+            host["decode_order"] = order
         return host
 
     def prepare_decode(self, seqs: list[Sequence], graphs: DecodeGraphs | None = None):
