@@ -18,6 +18,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tiny_model import QWEN3_0_6B
 
 
 def main():
@@ -45,7 +46,7 @@ def main():
         schedule_s += time.perf_counter() - start
         start = time.perf_counter()
         inputs.prepare_decode(seqs)
-        build_sampling_metadata(seqs, 151936, inputs.to_device, inputs.inflight_tokens)
+        build_sampling_metadata(seqs, QWEN3_0_6B["vocab_size"], inputs.to_device, inputs.inflight_tokens)
         inputs_s += time.perf_counter() - start
         start = time.perf_counter()
         step = scheduler.commit(seqs, is_prefill)

@@ -26,7 +26,7 @@ def to_device_packed(arrays: dict[str, np.ndarray], to_device: ToDevice) -> dict
     for array, offset in zip(arrays.values(), offsets):  # copied in their own dtype, not byte by byte
         start = offset // array.itemsize
         packed.view(array.dtype)[start:start + array.size] = array.reshape(-1)
-    device = to_device(packed).view(torch.uint8)
+    device = to_device(packed)  # int64, or the bytes of a buffer it was copied into (DecodeGraphs.to_device)
     typed = {dtype: device.view(TORCH_DTYPES[dtype]) for dtype in {array.dtype for array in arrays.values()}}
     views = {}
     for (name, array), offset in zip(arrays.items(), offsets):  # one slice per 1-D array: each op costs ~2 µs
