@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.cuda_graph import decode_inputs_bytes
+from nanovllm.engine.cuda_graph import batch_buckets, decode_inputs_bytes, smallest_bucket
 from nanovllm.engine.host_to_device import ALIGNMENT, to_device_packed
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.step_inputs import StepInputs
@@ -97,3 +97,9 @@ def test_the_largest_decode_step_fits_the_graphs_input_buffer():
     assert meta.block_tables.shape == (rows, width)
     capacity = decode_inputs_bytes(rows, width)
     assert capacity - 8 * ALIGNMENT <= packed[0] <= capacity
+
+
+def test_a_batch_runs_in_the_smallest_bucket_that_holds_it():
+    buckets = batch_buckets(40)
+    assert buckets == [1, 2, 4, 8, 16, 32, 40]
+    assert [smallest_bucket(buckets, rows) for rows in (1, 3, 8, 9, 17, 33, 40)] == [1, 4, 8, 16, 32, 40, 40]

@@ -6,7 +6,7 @@ import copy
 import numpy as np
 import torch
 
-from nanovllm.engine.host_to_device import ALIGNMENT, ToDevice, to_device_packed
+from nanovllm.engine.host_to_device import ALIGNMENT, ToDevice, pinned, to_device_packed
 from nanovllm.engine.sampling_metadata import InflightTokens, build_sampling_metadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata
@@ -17,6 +17,11 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16, always including max_num_seqs itself."""
     buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return buckets + [max_num_seqs]
+
+
+def smallest_bucket(buckets: list[int], rows: int) -> int:
+    """The batch size of the graph that runs `rows` rows: the smallest bucket that holds them."""
+    return next(b for b in buckets if b >= rows)
 
 
 def decode_inputs_bytes(max_num_seqs: int, max_blocks_per_seq: int) -> int:
@@ -45,13 +50,12 @@ class DecodeGraphs:
         self._capture_all(runner)
 
     def bucket(self, num_seqs: int) -> int:
-        """The batch size of the graph that runs num_seqs rows."""
-        return next(b for b in self.buckets if b >= num_seqs)
+        return smallest_bucket(self.buckets, num_seqs)
 
     def to_device(self, packed: np.ndarray) -> torch.Tensor:
         """A step's packed inputs copied to the start of `inputs` (a ToDevice for to_device_packed)."""
         inputs = self.inputs[:packed.nbytes]
-        inputs.copy_(torch.from_numpy(packed).view(torch.uint8).pin_memory(), non_blocking=True)
+        inputs.copy_(pinned(packed).view(torch.uint8), non_blocking=True)
         return inputs
 
     @torch.inference_mode()
@@ -113,7 +117,7 @@ class SamplerGraphs:
         arguments), by the graph of its shape. The graph's output tensors are views of its static
         buffers, valid until its next replay."""
         num_rows, vocab_size = logits.shape
-        graph_rows = next(b for b in self.buckets if b >= num_rows)
+        graph_rows = smallest_bucket(self.buckets, num_rows)
         meta = build_sampling_metadata(seqs, vocab_size, to_device, inflight_tokens, num_rows=graph_rows)
         if self.logits is None:
             self.logits = logits.new_zeros(self.max_batch_size, vocab_size)

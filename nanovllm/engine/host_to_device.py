@@ -13,6 +13,11 @@ TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.int64): torch.i
                 np.dtype(np.int32): torch.int32}
 
 
+def pinned(array: np.ndarray) -> torch.Tensor:
+    """The array's data in page-locked host memory, from which a non_blocking copy does not block the host."""
+    return torch.from_numpy(array).pin_memory()
+
+
 def to_device_packed(arrays: dict[str, np.ndarray], to_device: ToDevice) -> dict[str, torch.Tensor]:
     """The arrays on the device by one to_device call, of an int64 array holding their bytes, viewed back in
     their dtypes and shapes (views cost no kernel launch). Each starts at a multiple of ALIGNMENT bytes, as

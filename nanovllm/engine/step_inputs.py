@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.cuda_graph import DecodeGraphs
-from nanovllm.engine.host_to_device import to_device_packed
+from nanovllm.engine.host_to_device import pinned, to_device_packed
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.layers.attention import AttentionMetadata, dequantizing_pays, workspace_groups
 
@@ -26,10 +26,9 @@ class StepInputs:
         self.last_token_rows: dict[int, int] = {}  # seq_id -> row in last_tokens
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
         if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+            return pinned(array).to(self.device, non_blocking=True)
+        return torch.from_numpy(array)
 
     def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         width = max(len(seq.block_table) for seq in seqs)

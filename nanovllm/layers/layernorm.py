@@ -27,6 +27,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
+def weighted_as_torch(h, inv_rms, weight, dtype: tl.constexpr):
+    """weight * (h * inv_rms).to(dtype) in float32, as torch's rms_norm with a 16-bit weight computes it: the
+    float32 product of two 16-bit values is exact, so rounding it to dtype once gives torch's result."""
+    return weight.to(tl.float32) * (h * inv_rms).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps, x_split_stride,
                      X_SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row per program: add_rms_norm (rms_norm without a residual) with the same roundings. x is
@@ -45,8 +52,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps, x_spli
         h += tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_out_ptr + row * N + cols, h.to(x.dtype), mask=mask)
     inv_rms = tl.math.rsqrt(tl.sum(h * h, 0) / N + eps)
-    # weight * x.to(dtype): the float32 product of two 16-bit values is exact, so one rounding is torch's
-    normed = weight.to(tl.float32) * (h * inv_rms).to(x.dtype).to(tl.float32)
+    normed = weighted_as_torch(h, inv_rms, weight, x.dtype)
     tl.store(out_ptr + row * N + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.attention import check_kv_cache, store_fp8_scale, to_fp8
+from nanovllm.layers.layernorm import weighted_as_torch
 from nanovllm.layers.skinny_gemm import SplitKSum, load_split_sum, split_operand
 from nanovllm.utils.device import pdl_enabled
 
@@ -79,17 +80,14 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
     is_q = head < NUM_HEADS
     if HAS_NORM:
         # rms_norm: x * rsqrt(mean(x^2) + eps) in float32, rounded to dtype, then weight * x in dtype
-        # (the float32 product of two 16-bit values is exact, so one rounding gives torch's result).
         mean_sq = tl.sum(x1 * x1 + x2 * x2, axis=1)[:, None] / D
         inv_rms = tl.math.rsqrt(mean_sq + eps)
         if is_q:
             w_ptr = q_weight_ptr
         else:
             w_ptr = k_weight_ptr
-        w1 = tl.load(w_ptr + half).to(tl.float32)
-        w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)
-        x1 = (w1 * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x1 = weighted_as_torch(x1, inv_rms, tl.load(w_ptr + half), dtype).to(dtype).to(tl.float32)
+        x2 = weighted_as_torch(x2, inv_rms, tl.load(w_ptr + D // 2 + half), dtype).to(dtype).to(tl.float32)
     # apply_rope: cos_sin_cache row = [cos | sin], each D // 2 float32
     cs = cos_sin_ptr + tl.load(positions_ptr + token) * stride_cs + half
     cos = tl.load(cs)
