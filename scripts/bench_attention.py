@@ -4,6 +4,7 @@ flash-attn when it is importable.
     python scripts/bench_attention.py            # decode grid + prefill shapes (~1-2 min)
     python scripts/bench_attention.py --sweep    # also sweep decode/prefill launch configs
     python scripts/bench_attention.py --sweep decode   # ...decode's only (or prefill's)
+    python scripts/bench_attention.py --only decode --sweep decode --tiles 32/1/2,64/4/2   # chosen decode tiles
     python scripts/bench_attention.py --kv-cache-dtype fp8 --sweep dequant   # the fp8-prefix path's kernels
     python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
     python scripts/bench_attention.py --only prefill [--sweep prefill]   # no decode grid (or: --only decode)
@@ -234,8 +235,11 @@ def run_prefill(cache, **config):
         prefill_row(cache, *shape, config)
 
 
-def decode_tiles(fp8):
-    """(block_n, num_warps, num_stages) to sweep; the fp8 cache's tiles are half the bytes, so also 256."""
+def decode_tiles(fp8, tiles=None):
+    """(block_n, num_warps, num_stages) to sweep: `tiles` ("bn/w/s,..."), or by default 32-128 (the fp8
+    cache's tiles are half the bytes, so also 256) with 4 or 8 warps and 2-4 stages."""
+    if tiles:
+        return [tuple(int(x) for x in tile.split("/")) for tile in tiles.split(",")]
     return [(bn, w, s) for bn in (32, 64, 128) + ((256,) if fp8 else ()) for w in (4, 8) for s in (2, 3, 4)]
 
 
@@ -247,7 +251,7 @@ PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64,
                    (32, 64, 4, 3), (32, 32, 4, 4)]
 
 
-def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
+def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None, tiles=None):
     """(block_n, num_warps, num_stages) at the default split count, then split counts with the best.
     Contexts all ctx long, or uniform in [ctx, longest]."""
     q, tables, lens = decode_inputs(cache, batch, ctx, longest)
@@ -262,13 +266,14 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None):
         except Exception as e:  # e.g. out of shared memory
             return type(e).__name__
 
-    results = {(bn, w, s, default): tbps(bn, w, s, default) for bn, w, s in decode_tiles(cache.fp8)}
+    tile = triton_decode._decode_tile(D, cache.fp8)  # the kernel's default, always swept
+    swept = dict.fromkeys([tile, *decode_tiles(cache.fp8, tiles)])
+    results = {(bn, w, s, default): tbps(bn, w, s, default) for bn, w, s in swept}
     best = max((k for k, v in results.items() if isinstance(v, float)), key=results.get)[:3]
     for splits in (1, 2, 4, 8, 16, 32, 64):
         if (*best, splits) not in results:
             results[(*best, splits)] = tbps(*best, splits)
     ranked = sorted(((v, k) for k, v in results.items() if isinstance(v, float)), reverse=True)
-    tile = triton_decode._decode_tile(D, cache.fp8)  # the kernel's default, one of the swept tiles
     base = results[(*tile, default)]
     if isinstance(base, float):
         base = f"{base:.2f} TB/s = {100 * base * 1e12 / copy_bw:.0f}% of copy"
@@ -313,15 +318,16 @@ def sweep_dequant(cache):
         emit(f"{name:>12} varlen: " + "  ".join(f"{k}:{v:.1f}" for k, v in sorted(times.items(), key=lambda x: x[1])))
 
 
-def sweep(cache, copy_bw, kernels: str):
-    """Launch configs of kernels "decode", "prefill", "dequant" (the fp8-prefix path) or "all"."""
+def sweep(cache, copy_bw, kernels: str, tiles=None):
+    """Launch configs of kernels "decode", "prefill", "dequant" (the fp8-prefix path) or "all"; the decode
+    tiles swept are `tiles` if given (see decode_tiles)."""
     if kernels == "dequant":
         return sweep_dequant(cache)
     if kernels != "prefill":
         emit("== decode sweep: TB/s (median); config = block_n/num_warps/num_stages,num_splits")
-        for batch, ctx, longest in ((256, 100, 1124), (256, 1024, None), (32, 2048, None), (8, 4096, None),
-                                    (1, 4096, None)):
-            sweep_decode_shape(cache, batch, ctx, copy_bw, longest)
+        for batch, ctx, longest in ((256, 100, 1124), (256, 1024, None), (64, 500, 1524), (32, 2048, None),
+                                    (8, 1000, 2024), (8, 4096, None), (1, 4096, None)):
+            sweep_decode_shape(cache, batch, ctx, copy_bw, longest, tiles)
     if kernels == "decode":
         return
     for block_m, block_n, warps, stages in PREFILL_CONFIGS:
@@ -339,6 +345,7 @@ def main():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the cache the Triton kernels read: bf16 (auto) or fp8 + per-token scales")
     parser.add_argument("--only", choices=["decode", "prefill"], help="run one kernel's table only")
+    parser.add_argument("--tiles", help="decode tiles to sweep, block_n/num_warps/num_stages,... (e.g. 32/1/2,64/4/2)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
@@ -353,7 +360,7 @@ def main():
     if args.only != "decode":
         run_prefill(cache)
     if args.sweep:
-        sweep(cache, copy_bw, args.sweep)
+        sweep(cache, copy_bw, args.sweep, args.tiles)
     emit(f"total {time.time() - start:.0f} s")
     save_report("bench_attention.txt")
 
