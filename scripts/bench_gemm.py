@@ -4,6 +4,7 @@ for an H200).
     python scripts/bench_gemm.py            # Qwen3-0.6B and -8B linear shapes at M = 1..16 (~20 s)
     python scripts/bench_gemm.py --sweep    # also search launch configs at M = 1 and 8 (~2 min more)
     python scripts/bench_gemm.py --chain    # only 28 layers of Qwen3-0.6B's decode linears, launch variants
+    python scripts/bench_gemm.py --swiglu   # only 28 layers of the decode MLP: gate_up + SiLU vs skinny_swiglu
 
 bf16, y = x [M, K] @ weight [N, K].T. Times are medians of triton.testing.do_bench over CUDA-graph
 replays of the one op (GPU time without host launch overhead, as in the engine's decode graphs;
@@ -152,6 +153,47 @@ def run_chain():
              f"graph {torch.equal(replayed, expected)}")
 
 
+# skinny_swiglu configs (block_n, block_k, num_warps, num_stages) against gate_up + SiLU-and-mul
+SWIGLU_CONFIGS = [(16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 2, 4), (16, 128, 2, 4),
+                  (32, 256, 4, 3), (16, 512, 4, 2), (32, 128, 4, 4)]
+
+
+def mlp_chain(M, layers, swiglu_config):
+    """`layers` of Qwen3-0.6B's decode MLP as the engine runs it: add + RMSNorm, then gate_up + SiLU-and-mul
+    (swiglu_config None) or skinny_swiglu with that (block_n, block_k, num_warps, num_stages), then down."""
+    hidden, inter = 1024, 3072
+    torch.manual_seed(0)
+    weights = [(torch.randn(2 * inter, hidden, dtype=DTYPE, device=DEV) / 32,
+                torch.randn(hidden, inter, dtype=DTYPE, device=DEV) / 55) for _ in range(layers)]
+    norm = RMSNorm(hidden).to(DEV, DTYPE)
+    x0 = torch.randn(M, hidden, dtype=DTYPE, device=DEV)
+
+    def run():
+        x, residual = x0, x0
+        for gate_up, down in weights:
+            h, residual = norm(x, residual)
+            if swiglu_config is None:
+                act = silu_and_mul_triton(sg.skinny_linear(h, gate_up, defer_sum=True))
+            else:
+                bn, bk, warps, stages = swiglu_config
+                act = sg.skinny_swiglu(h, gate_up, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            x = sg.skinny_linear(act, down, defer_sum=True)
+        return x
+
+    return run
+
+
+def run_swiglu():
+    layers = 28
+    emit(f"== {layers} layers of Qwen3-0.6B's decode MLP (norm, gate_up + SiLU or skinny_swiglu, down), one CUDA "
+         "graph, PDL as configured; us per layer")
+    for M in (1, 8):
+        unfused = bench(mlp_chain(M, layers, None)) * 1e3 / layers
+        fused = {config: bench(mlp_chain(M, layers, config)) * 1e3 / layers for config in SWIGLU_CONFIGS}
+        emit(f"M={M}: gate_up + SiLU {unfused:.2f}; skinny_swiglu " + "  ".join(
+            f"{'/'.join(map(str, c))}:{t:.2f}" for c, t in sorted(fused.items(), key=lambda item: item[1])))
+
+
 TILES = [(bn, bk) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
          if 4096 <= bn * bk * DTYPE.itemsize <= 65536]  # 4..64 KiB weight tiles
 
@@ -204,11 +246,17 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also search launch configs at M = 1 and 8")
     parser.add_argument("--chain", action="store_true",
                         help="only time 28 layers of decode linears under launch variants")
+    parser.add_argument("--swiglu", action="store_true",
+                        help="only time 28 layers of the decode MLP: gate_up + SiLU against skinny_swiglu configs")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
     torch.manual_seed(0)
     emit(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if args.swiglu:
+        run_swiglu()
+        save_report("bench_gemm.txt")
+        return
     if args.chain:
         run_chain()
         save_report("bench_gemm.txt")

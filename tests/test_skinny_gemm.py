@@ -16,7 +16,16 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.layers import linear as linear_module  # noqa: E402
-from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum, launch_config, skinny_linear, summed  # noqa: E402
+from nanovllm.layers.activation import silu_and_mul_triton  # noqa: E402
+from nanovllm.layers.skinny_gemm import (  # noqa: E402
+    SKINNY_MAX_ROWS,
+    SplitKSum,
+    gated_launch_config,
+    launch_config,
+    skinny_linear,
+    skinny_swiglu,
+    summed,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -130,6 +139,16 @@ def test_qwen3_shapes_match_cublas(name):
 
 
 @needs_cuda
+def test_swiglu_at_the_qwen3_shape_matches_cublas_and_silu():
+    N, K = QWEN3_06B_SHAPES["gate_up_proj"]
+    for M in range(1, SKINNY_MAX_ROWS + 1):
+        x, weight, _ = make_inputs(M, N, K, torch.bfloat16, seed=M)
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        # gate and up at most a bf16 rounding from cuBLAS's, each op after rounded the same
+        torch.testing.assert_close(skinny_swiglu(x, weight), F.silu(gate) * up, rtol=3.2e-2, atol=2e-3)
+
+
+@needs_cuda
 def test_cuda_graph_replay():
     x, weight, b = make_inputs(4, 1024, 3072, torch.bfloat16, bias=True)
     expected = skinny_linear(x, weight, b)
@@ -159,3 +178,23 @@ def test_linear_dispatch_on_cuda(monkeypatch, M, uses_skinny):
     deferred = linear_module.linear(x, weight, defer_sum=True)  # o_proj's shape: K is split
     assert isinstance(deferred, SplitKSum) == uses_skinny
     torch.testing.assert_close(summed(deferred), F.linear(x, weight), rtol=1.6e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M,N,K,block_k", [(1, 48, 64, 32), (5, 32, 80, 32), (16, 64, 128, 64)])
+def test_swiglu_is_the_projection_then_silu_and_mul(M, N, K, bias, block_k):
+    """One kernel for gate/up and SwiGLU's activation: the unsplit GEMM's values (the same tiles), rounded
+    as the SiLU-and-mul kernel rounds them, bit for bit; ragged K and output features included."""
+    x, weight, b = make_inputs(M, 2 * N, K, torch.float16, bias)
+    config = dict(block_n=16, block_k=block_k)
+    fused = skinny_swiglu(x, weight, b, **config)
+    projected = skinny_linear(x, weight, b, split_k=1, **config)
+    torch.testing.assert_close(fused, silu_and_mul_triton(projected), rtol=0, atol=0)
+    gate, up = reference(x, weight, b).chunk(2, dim=-1)
+    torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+def test_swiglu_tiles_cover_the_sms():
+    assert gated_launch_config(3072, 1024, 132).block_n == 16  # Qwen3-0.6B: 192 programs
+    assert gated_launch_config(9728, 2560, 132).block_n == 64  # Qwen3-4B: 152 programs
+    assert gated_launch_config(3072, 1024, 132).split_k == 1

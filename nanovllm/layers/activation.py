@@ -6,7 +6,13 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.layers.skinny_gemm import SplitKSum, load_split_sum, on_kernel_path, split_operand
+from nanovllm.layers.skinny_gemm import (
+    SplitKSum,
+    load_split_sum,
+    on_kernel_path,
+    silu_and_mul_as_torch,
+    split_operand,
+)
 from nanovllm.utils.device import pdl_enabled
 
 
@@ -24,9 +30,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, N, x_split_stride, X_SPLITS: tl.constex
     dtype = out_ptr.dtype.element_ty
     gate = load_split_sum(x_ptr, row * 2 * N + cols, mask, x_split_stride, X_SPLITS, dtype)
     up = load_split_sum(x_ptr, row * 2 * N + N + cols, mask, x_split_stride, X_SPLITS, dtype)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + row * N + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * N + cols, silu_and_mul_as_torch(gate.to(tl.float32), up.to(tl.float32), dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

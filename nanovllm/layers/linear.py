@@ -21,12 +21,17 @@ def tp_rank_and_size() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def skinny_applies(x: torch.Tensor) -> bool:
+    """Whether the skinny GEMM takes x: [M <= SKINNY_MAX_ROWS, K] 16-bit rows on CUDA (decode)."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            defer_sum: bool = False) -> torch.Tensor | SplitKSum:
-    """F.linear(x, weight, bias), by the skinny GEMM for x [M <= SKINNY_MAX_ROWS, K] 16-bit on CUDA; with
-    defer_sum that may return a SplitKSum (skinny_linear), for a caller whose next kernel takes one."""
-    if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.stride(1) == 1
-            and x.dtype in (torch.bfloat16, torch.float16)):
+    """F.linear(x, weight, bias), by the skinny GEMM where it applies; with defer_sum that may return a
+    SplitKSum (skinny_linear), for a caller whose next kernel takes one."""
+    if skinny_applies(x):
         return skinny_linear(x, weight, bias, defer_sum=defer_sum)
     return F.linear(x, weight, bias)
 

@@ -12,10 +12,10 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, skinny_applies
 from nanovllm.layers.qk_norm_rope import qk_norm_rope
 from nanovllm.layers.rotary_embedding import get_rope
-from nanovllm.layers.skinny_gemm import SplitKSum
+from nanovllm.layers.skinny_gemm import SplitKSum, skinny_swiglu
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +88,13 @@ class DecoderMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKSum:
         # A skinny GEMM's split-K partials are summed by the kernel that reads its output next: the
-        # activation, and the next layer's input norm (or the final norm).
-        return self.down_proj(self.act_fn(self.gate_up_proj(x, defer_sum=True)), defer_sum=True)
+        # activation, and the next layer's input norm (or the final norm). In decode one kernel projects
+        # and activates.
+        if skinny_applies(x):
+            act = skinny_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        else:
+            act = self.act_fn(self.gate_up_proj(x, defer_sum=True))
+        return self.down_proj(act, defer_sum=True)
 
 
 class DecoderLayer(nn.Module):
