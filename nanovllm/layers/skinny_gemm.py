@@ -14,6 +14,9 @@ it loads y (`defer_sum=True` gives it a `SplitKSum`; it loads with `load_split_s
 summing kernel out of the decode chain (four a layer: −0.05 ms a token of single-stream decode on the
 H200, BENCHMARKS.md).
 
+SwiGLU's gate/up projection goes further (skinny_swiglu): a program multiplies a gate tile and the
+matching up tile, K unsplit, and writes silu(gate) * up, so the activation needs no kernel of its own.
+
 At decode sizes a kernel's launch and its first weight reads take as long as the rest of it. With
 programmatic dependent launch (utils.device.pdl_enabled) the kernel starts while the one before it
 (norm, activation, attention) still runs: each program asks L2 for the start of its weight slice,

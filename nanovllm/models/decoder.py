@@ -87,13 +87,12 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKSum:
-        # A skinny GEMM's split-K partials are summed by the kernel that reads its output next: the
-        # activation, and the next layer's input norm (or the final norm). In decode one kernel projects
-        # and activates.
+        # In decode one kernel projects and activates (skinny_swiglu), and down_proj's split-K partials are
+        # summed by the kernel that reads them next: the next layer's input norm (or the final norm).
         if skinny_applies(x):
             act = skinny_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
         else:
-            act = self.act_fn(self.gate_up_proj(x, defer_sum=True))
+            act = self.act_fn(self.gate_up_proj(x))
         return self.down_proj(act, defer_sum=True)
 
 
