@@ -231,12 +231,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """
     M, K = x.shape
     N = weight.shape[0]
-    assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
-    assert weight.shape == (N, K) and weight.dtype == x.dtype and weight.is_contiguous()
-    assert bias is None or (bias.shape == (N,) and bias.is_contiguous())
-    overrides = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
-    config = dataclasses.replace(launch_config(N, K, num_sms(x.device)),
-                                 **{k: v for k, v in overrides.items() if v is not None})
+    _check_operands(x, weight, bias, N)
+    config = _overridden(launch_config(N, K, num_sms(x.device)), block_n=block_n, block_k=block_k, split_k=split_k,
+                         num_warps=num_warps, num_stages=num_stages)
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
     # Whole K tiles per split; splits left with no tile are dropped.
@@ -274,16 +271,27 @@ def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     decode."""
     M, K = x.shape
     N = weight.shape[0] // 2
-    assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
-    assert weight.shape == (2 * N, K) and weight.dtype == x.dtype and weight.is_contiguous()
-    assert bias is None or (bias.shape == (2 * N,) and bias.is_contiguous())
-    overrides = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
-    config = dataclasses.replace(gated_launch_config(N, K, num_sms(x.device)),
-                                 **{k: v for k, v in overrides.items() if v is not None})
+    _check_operands(x, weight, bias, 2 * N)
+    config = _overridden(gated_launch_config(N, K, num_sms(x.device)), block_n=block_n, block_k=block_k,
+                         num_warps=num_warps, num_stages=num_stages)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         _launch(x, weight, bias, y, N, config, triton.cdiv(K, config.block_k) * config.block_k, 1, gated=True)
     return y
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+    """x [M <= SKINNY_MAX_ROWS, K] 16-bit, last dim contiguous; weight [rows, K] contiguous in x's dtype; bias
+    [rows] or None."""
+    M, K = x.shape
+    assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
+    assert weight.shape == (rows, K) and weight.dtype == x.dtype and weight.is_contiguous()
+    assert bias is None or (bias.shape == (rows,) and bias.is_contiguous())
+
+
+def _overridden(config: LaunchConfig, **overrides) -> LaunchConfig:
+    """config with the overrides that are not None."""
+    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def _launch(x, weight, bias, out, N: int, config: LaunchConfig, k_per_split: int, splits: int, gated: bool):
