@@ -36,6 +36,20 @@ FP8_V_RUN = tl.constexpr(16)
 
 
 @triton.jit
+def tile_blocks(block_table_ptr, start, tok, mask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache blocks (int64) of tokens `tok` (mask: which to look up; None: all) of the tile of BLOCK_N
+    tokens from `start`, which is BLOCK_N-aligned: with BLOCK_N <= PAGE the tile lies in one page, whose
+    one block id serves every token; else each token's."""
+    if BLOCK_N <= PAGE:
+        blk = tl.load(block_table_ptr + start // PAGE)
+    elif mask is None:
+        blk = tl.load(block_table_ptr + tok // PAGE)
+    else:
+        blk = tl.load(block_table_ptr + tok // PAGE, mask=mask, other=0)
+    return blk.to(tl.int64)
+
+
+@triton.jit
 def load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, limit, kv_head,
              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh,
              D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, PAGED: tl.constexpr):
@@ -55,13 +69,13 @@ def load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, limi
     if not PAGED:
         blk = 0
         offset = tok
-    elif BLOCK_N <= PAGE:  # start is BLOCK_N-aligned, so the tile lies in one page: one block id
-        blk = tl.load(block_table_ptr + start // PAGE).to(tl.int64)
-        # Spelled as an aligned base + arange so the compiler sees the scale loads are contiguous.
-        offset = tl.multiple_of(start % PAGE, BLOCK_N) + tl.arange(0, BLOCK_N)
-    else:  # a block id per token
-        blk = tl.load(block_table_ptr + tok // PAGE, mask=mask, other=0).to(tl.int64)
-        offset = tok % PAGE
+    else:
+        blk = tile_blocks(block_table_ptr, start, tok, mask, PAGE, BLOCK_N)
+        if BLOCK_N <= PAGE:
+            # Spelled as an aligned base + arange so the compiler sees the scale loads are contiguous.
+            offset = tl.multiple_of(start % PAGE, BLOCK_N) + tl.arange(0, BLOCK_N)
+        else:
+            offset = tok % PAGE
     d = tl.arange(0, D)[None, :]
     k_rows = blk * stride_kb + offset * stride_kt + kv_head * stride_kh  # [BLOCK_N] int64
     v_rows = blk * stride_vb + offset * stride_vt + kv_head * stride_vh

@@ -15,6 +15,7 @@ from nanovllm.layers.triton_attention import (
     paged_strides,
     scale_ptrs,
     softmax_step,
+    tile_blocks,
 )
 from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
 
@@ -25,10 +26,7 @@ def _prefetch_runs(ptr, block_table, start, end, stride_b, stride_t, head_offset
     """Prefetch into L2 what one paged tensor holds of a tile's tokens start..end-1 (at most BLOCK_N): one
     token of each aligned run of RUN (a run's tokens share their lines), at offsets `cols` from its row."""
     tok = tl.minimum(start + tl.arange(0, BLOCK_N // RUN) * RUN, end - 1)
-    if BLOCK_N <= PAGE:  # start is BLOCK_N-aligned, so the tile lies in one page (as load_kv reads it)
-        blk = tl.load(block_table + start // PAGE).to(tl.int64)
-    else:
-        blk = tl.load(block_table + tok // PAGE).to(tl.int64)
+    blk = tile_blocks(block_table, start, tok, None, PAGE, BLOCK_N)
     rows = blk * stride_b + (tok % PAGE) * stride_t + head_offset
     prefetch_to_l2(ptr + rows[:, None] + cols[None, :])
 
