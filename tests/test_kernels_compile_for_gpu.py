@@ -16,7 +16,8 @@ import pytest
 
 # (module, kernel, pointer dtypes by parameter name, float parameters, constexprs) per configuration.
 BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "block_tables_ptr": "*i32",
-                  "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "order_ptr": "*i32"}
+                  "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "order_ptr": "*i32",
+                  "split_counts_ptr": "*i32"}
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
 # stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
 DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False,
@@ -58,8 +59,6 @@ def configurations():
                                  merge(DECODE, fp16, FP8_V, {"BLOCK_N": 128, "PREFETCH": True})),
         "decode bf16, prefetch": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"],
                                   {**DECODE, **fp16, "PREFETCH": True}),
-        "decode reduce": (decode, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [],
-                          dict(D=128, NUM_SPLITS=4, PDL=True)),
         "prefill bf16": (prefill, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
         "prefill fp8": (prefill, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                         merge(PREFILL, fp16, FP8_V, {"BLOCK_M": 64, "BLOCK_N": 128})),

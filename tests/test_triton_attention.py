@@ -120,6 +120,15 @@ def test_decode_split_k(num_splits):
     check_decode([700, 3, 0, 129, 0], 16, 4, 2, 32, num_splits=num_splits)
 
 
+def test_decode_splits_leave_their_counts_zeroed():
+    """The last split of a (sequence, kv head) to finish merges them (out was NaN-filled) and sets its
+    count back to 0, so the next launch, which shares the counts, merges again."""
+    for _ in range(2):
+        check_decode([700, 3, 0, 129, 0], 16, 4, 2, 32, num_splits=8)
+    counts = triton_decode._SPLIT_COUNTS[torch.empty(0, device=DEVICE).device]
+    assert counts.count_nonzero().item() == 0
+
+
 @pytest.mark.parametrize("block_size,block_n", [(256, 16), (16, 64), (64, 128)])
 def test_decode_tile_vs_page(block_size, block_n):
     # several tiles per page, and tiles spanning several pages

@@ -1,6 +1,6 @@
 """Triton paged decode attention: one query per sequence over its paged KV cache, the G query heads of a
-kv head in one program (GQA), split-K over long contexts with a merge pass. The cache layouts and the fp8
-scheme: triton_attention.py."""
+kv head in one program (GQA), split-K over long contexts, the splits merged by the last of them to finish.
+The cache layouts and the fp8 scheme: triton_attention.py."""
 
 import torch
 import triton
@@ -60,8 +60,8 @@ def _prefetch_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, start, e
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, order_ptr, out_ptr, acc_ptr,
-    m_ptr, l_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
+    m_ptr, l_ptr, split_counts_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt,
+    stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
@@ -75,7 +75,11 @@ def _decode_kernel(
     With PDL the kernel is launched while the q/k norm + RoPE kernel before it still runs and stores this
     step's K/V. Until gdc_wait it reads only what the host wrote before the step (context lengths, order,
     block tables); with PREFETCH it also asks L2 for its first tile of K/V, whose stale lines the store
-    then overwrites in L2, the GPU's point of coherence."""
+    then overwrites in L2, the GPU's point of coherence.
+
+    With NUM_SPLITS > 1 each program stores its split's partial softmax (m, l, acc) and counts itself in
+    split_counts[seq, kv_head]; the last of the NUM_SPLITS to arrive merges them into out and sets the count
+    back to 0 for the next launch. A separate merge kernel cost a launch and a wait per layer."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(0)
@@ -124,29 +128,31 @@ def _decode_kernel(
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_mask)
     else:  # partials: m, l [B, H, NUM_SPLITS], acc [B, H, NUM_SPLITS, D], float32, contiguous
-        row = (seq * tl.num_programs(0) * G + heads) * NUM_SPLITS + split  # [G_PAD]
-        tl.store(m_ptr + row, m_i, mask=g < G)
-        tl.store(l_ptr + row, l_i, mask=g < G)
-        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=head_mask)
+        first_row = (seq * tl.num_programs(0) * G + heads) * NUM_SPLITS  # [G_PAD], split 0's rows
+        tl.store(m_ptr + first_row + split, m_i, mask=g < G)
+        tl.store(l_ptr + first_row + split, l_i, mask=g < G)
+        tl.store(acc_ptr + (first_row + split)[:, None] * D + d[None, :], acc, mask=head_mask)
+        # Every thread's stores come before the count (one thread's atomic, which releases them at GPU scope).
+        tl.debug_barrier()
+        count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            for head in tl.range(kv_head * G, kv_head * G + G, num_stages=1):  # no shared-memory buffers
+                _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr + seq * stride_ob + head * stride_oh,
+                              (seq * tl.num_programs(0) * G + head) * NUM_SPLITS, D, NUM_SPLITS)
+            tl.store(count_ptr, 0)
 
 
 @triton.jit
-def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
-                          D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    """Grid (B, H): merge the NUM_SPLITS partial softmaxes of one (sequence, head)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
-    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s  # [NUM_SPLITS]
-    m = tl.load(m_ptr + row)
-    w = tl.exp2(m - tl.max(m, 0))  # [NUM_SPLITS]
-    denom = tl.sum(w * tl.load(l_ptr + row), 0)
-    acc = tl.load(acc_ptr + row[:, None] * D + tl.arange(0, D)[None, :])  # [NUM_SPLITS, D]
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
+def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, first_row, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Writes out_ptr[:D], the merge of one head's NUM_SPLITS partial softmaxes at partial rows first_row.. .
+    Other programs stored them: they are loaded from L2 (.cg), past this SM's L1."""
+    rows = first_row + tl.arange(0, NUM_SPLITS)
+    m = tl.load(m_ptr + rows, cache_modifier=".cg")
+    w = tl.exp2(m - tl.max(m, 0))  # [NUM_SPLITS], the largest 1
+    denom = tl.sum(w * tl.load(l_ptr + rows, cache_modifier=".cg"), 0)
+    acc = tl.load(acc_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], cache_modifier=".cg")  # [NUM_SPLITS, D]
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)  # context_len 0 -> zeros
+    tl.store(out_ptr + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
 # The decode kernel prefetches its first tile (PREFETCH) from this many splits: a few sequences, whose
@@ -175,6 +181,20 @@ def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
     if fp8:  # a tile may span pages (then each token looks up its block id)
         return 128, 4, 2
     return min(64, max(16, 8192 // head_dim)), 4, 3
+
+
+# Per device, the decode kernel's split counts (zeroed int32, which every launch leaves zeroed): one buffer for
+# all launches, which the device's stream runs one after another. Grown outside CUDA-graph capture: the graphs'
+# warm-up runs each batch size eagerly first (cuda_graph.DecodeGraphs).
+_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counts(n: int, device: torch.device) -> torch.Tensor:
+    """At least n zeroed int32 counts on `device` for the decode kernel's splits."""
+    counts = _SPLIT_COUNTS.get(device)
+    if counts is None or counts.numel() < n:
+        counts = _SPLIT_COUNTS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return counts
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None, v_scale=None,
@@ -208,13 +228,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_max = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
+        split_counts = _split_counts(B * kvh, q.device)
     else:
-        part_max = part_sum = part_acc = out  # unused
+        part_max = part_sum = part_acc = split_counts = out  # unused
     strides = paged_strides(k_cache, v_cache, k_scale, block_tables)
     pdl = pdl_enabled(q.device)
     _decode_kernel[(kvh, B, num_splits)](
         q, k_cache, v_cache, *scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens,
-        context_lens if order is None else order, out, part_acc, part_max, part_sum, scale * LOG2E,
+        context_lens if order is None else order, out, part_acc, part_max, part_sum, split_counts, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=fp8_compute_dtype(q),
@@ -222,7 +243,4 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         PREFETCH=num_splits >= PREFETCH_MIN_SPLITS,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-                                      D=D, NUM_SPLITS=num_splits, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
