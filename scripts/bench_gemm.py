@@ -95,18 +95,23 @@ def pdl_setting(enabled: bool):
             os.environ["NANOVLLM_PDL"] = previous
 
 
-def layer_chain(M, layers, overrides):
-    """A function running `layers` of Qwen3-0.6B's decode linears as the engine does, attention aside:
-    add + RMSNorm, qkv, o, add + RMSNorm, gate_up, SiLU-and-mul, down; each projection by the skinny GEMM
-    with overrides[name] or, with overrides None, by cuBLAS."""
+def decode_layers(M, layers):
+    """Qwen3-0.6B's decode linears' weights for `layers` layers, an RMSNorm and an input x0 [M, hidden],
+    seeded: every variant of a chain gets the same."""
     hidden, inter = 1024, 3072
-    torch.manual_seed(0)  # every variant gets the same weights and inputs
+    torch.manual_seed(0)
     weights = [dict(qkv=torch.randn(4096, hidden, dtype=DTYPE, device=DEV) / 32,
                     o=torch.randn(hidden, 2048, dtype=DTYPE, device=DEV) / 45,
                     gate_up=torch.randn(2 * inter, hidden, dtype=DTYPE, device=DEV) / 32,
                     down=torch.randn(hidden, inter, dtype=DTYPE, device=DEV) / 55) for _ in range(layers)]
-    norm = RMSNorm(hidden).to(DEV, DTYPE)
-    x0 = torch.randn(M, hidden, dtype=DTYPE, device=DEV)
+    return weights, RMSNorm(hidden).to(DEV, DTYPE), torch.randn(M, hidden, dtype=DTYPE, device=DEV)
+
+
+def layer_chain(M, layers, overrides):
+    """A function running `layers` of Qwen3-0.6B's decode linears, attention aside: add + RMSNorm, qkv, o,
+    add + RMSNorm, gate_up, SiLU-and-mul (one kernel in the engine: see mlp_chain), down; each projection
+    by the skinny GEMM with overrides[name] or, with overrides None, by cuBLAS."""
+    weights, norm, x0 = decode_layers(M, layers)
     attn_out = torch.randn(M, 2048, dtype=DTYPE, device=DEV)
 
     def linear(name, x, weight):
@@ -159,25 +164,20 @@ SWIGLU_CONFIGS = [(16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 2
 
 
 def mlp_chain(M, layers, swiglu_config):
-    """`layers` of Qwen3-0.6B's decode MLP as the engine runs it: add + RMSNorm, then gate_up + SiLU-and-mul
+    """`layers` of Qwen3-0.6B's decode MLP as the engine runs it: add + RMSNorm, then gate_up (summed) + SiLU-and-mul
     (swiglu_config None) or skinny_swiglu with that (block_n, block_k, num_warps, num_stages), then down."""
-    hidden, inter = 1024, 3072
-    torch.manual_seed(0)
-    weights = [(torch.randn(2 * inter, hidden, dtype=DTYPE, device=DEV) / 32,
-                torch.randn(hidden, inter, dtype=DTYPE, device=DEV) / 55) for _ in range(layers)]
-    norm = RMSNorm(hidden).to(DEV, DTYPE)
-    x0 = torch.randn(M, hidden, dtype=DTYPE, device=DEV)
+    weights, norm, x0 = decode_layers(M, layers)
 
     def run():
         x, residual = x0, x0
-        for gate_up, down in weights:
+        for w in weights:
             h, residual = norm(x, residual)
             if swiglu_config is None:
-                act = silu_and_mul_triton(sg.skinny_linear(h, gate_up, defer_sum=True))
+                act = silu_and_mul_triton(sg.skinny_linear(h, w["gate_up"]))
             else:
                 bn, bk, warps, stages = swiglu_config
-                act = sg.skinny_swiglu(h, gate_up, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-            x = sg.skinny_linear(act, down, defer_sum=True)
+                act = sg.skinny_swiglu(h, w["gate_up"], block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            x = sg.skinny_linear(act, w["down"], defer_sum=True)
         return x
 
     return run

@@ -66,8 +66,8 @@ def test_silu_and_mul_matches_torch(rows, n):
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_kernels_sum_split_k_partials(splits):
-    """Given a skinny GEMM's split-K partials (SplitKSum), the kernels return exactly what they do given
+def test_norm_sums_split_k_partials(splits):
+    """Given a skinny GEMM's split-K partials (SplitKSum), the norm kernel returns exactly what it does given
     the sum; RMSNorm's torch path (another weight dtype) sums them first."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     gen = torch.Generator().manual_seed(splits)
@@ -77,8 +77,6 @@ def test_kernels_sum_split_k_partials(splits):
     assert all(map(torch.equal, rms_norm_triton(partial, residual, weight, 1e-6),
                    rms_norm_triton(x, residual, weight, 1e-6)))
     assert torch.equal(rms_norm_triton(partial, None, weight, 1e-6), rms_norm_triton(x, None, weight, 1e-6))
-    gate_up = SplitKSum(torch.randn(splits, 3, 3000, generator=gen).to(DEVICE), dtype)
-    assert torch.equal(silu_and_mul_triton(gate_up), silu_and_mul_triton(gate_up.sum()))
     norm = RMSNorm(1000).to(DEVICE)  # float32 weight: not the kernel's case
     assert all(map(torch.equal, norm(partial, residual), add_rms_norm(x, residual, norm.weight, norm.eps)))
 
@@ -109,11 +107,11 @@ def test_modules_use_the_kernels_on_cuda(monkeypatch):
 
 @needs_cuda
 def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
-    """A decode layer's chain of Triton kernels (norm, skinny GEMMs, SiLU, decode attention aside),
-    replayed from a CUDA graph, gives the same bits with PDL (kernels overlapping the one before) as
-    without, and with the GEMMs' split-K partials summed by the next kernel: no kernel reads its input
-    before the kernel writing it has finished."""
-    from nanovllm.layers.skinny_gemm import skinny_linear
+    """A decode layer's MLP chain of Triton kernels replayed from a CUDA graph gives the same bits with PDL
+    (kernels overlapping the one before) as without: norm, gate/up GEMM, SiLU, down GEMM (each summed), and
+    as the engine runs decode, norm, gate/up + SiLU in one kernel, down leaving its split-K partials to
+    the next norm. No kernel reads its input before the kernel writing it has finished."""
+    from nanovllm.layers.skinny_gemm import skinny_linear, skinny_swiglu
 
     gen = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(2, 4, 1024, generator=gen)).to(DEVICE, torch.bfloat16)
@@ -121,23 +119,26 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
     down_w = (torch.randn(1024, 3072, generator=gen) / 55).to(DEVICE, torch.bfloat16)
     norm = RMSNorm(1024).to(DEVICE, torch.bfloat16)
 
-    def layers(defer_sum: bool):
+    def layers(as_engine: bool):
         h, res = x, residual
         for _ in range(8):
             normed, res = norm(h, res)
-            gate_up = skinny_linear(normed, gate_up_w, defer_sum=defer_sum)
-            h = skinny_linear(silu_and_mul_triton(gate_up), down_w, defer_sum=defer_sum)
+            if as_engine:
+                act = skinny_swiglu(normed, gate_up_w)
+            else:
+                act = silu_and_mul_triton(skinny_linear(normed, gate_up_w))
+            h = skinny_linear(act, down_w, defer_sum=as_engine)
         return summed(h), res
 
-    results = {}
-    for pdl, defer_sum in (("0", False), ("1", False), ("1", True)):
-        monkeypatch.setenv("NANOVLLM_PDL", pdl)
-        layers(defer_sum)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layers(defer_sum)
-        graph.replay()
-        torch.cuda.synchronize()
-        results[pdl, defer_sum] = [t.clone() for t in out]
-    expected = results["0", False]
-    assert all(all(map(torch.equal, expected, result)) for result in results.values())
+    for as_engine in (False, True):
+        results = {}
+        for pdl in ("0", "1"):
+            monkeypatch.setenv("NANOVLLM_PDL", pdl)
+            layers(as_engine)  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = layers(as_engine)
+            graph.replay()
+            torch.cuda.synchronize()
+            results[pdl] = [t.clone() for t in out]
+        assert all(map(torch.equal, results["0"], results["1"])), f"as the engine: {as_engine}"

@@ -9,7 +9,7 @@ When N / BLOCK_N gives too few programs to keep every SM streaming, K is split a
 programs too; they write float32 partials that a second small kernel sums (deterministic, unlike
 atomics). Nothing depends on tensor values, so the launch is CUDA-graph safe.
 
-A kernel that reads y anyway (RMSNorm, SiLU-and-mul, the q/k norm + RoPE) can sum the partials itself as
+A kernel that reads y anyway (RMSNorm, the q/k norm + RoPE) can sum the partials itself as
 it loads y (`defer_sum=True` gives it a `SplitKSum`; it loads with `load_split_sum`), which takes the
 summing kernel out of the decode chain (four a layer: −0.05 ms a token of single-stream decode on the
 H200, BENCHMARKS.md).
@@ -101,7 +101,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, 
             prefetch_to_l2(w_ptr + (rows + N)[:, None] * K + line_k[None, :])
         tl.extra.cuda.gdc_wait()
 
-    w_up_ptrs = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * K + offs_k[None, :]  # GATED: rows n of the up half
+    # GATED: rows n of the up half. Built either way (Triton's loop wants them in scope); unused, compiled away.
+    w_up_ptrs = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * K + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
