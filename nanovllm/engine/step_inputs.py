@@ -111,7 +111,7 @@ class StepInputs:
         inflight = np.flatnonzero(host["input_ids"] == PLACEHOLDER)
         if inflight.size:  # their rows in this step, and in last_tokens
             host["inflight"] = inflight.astype(np.int64)
-            host["inflight_rows"] = np.array([self.last_token_rows[seqs[i].seq_id] for i in inflight], dtype=np.int64)
+            host["inflight_rows"] = self._rows_in_last_tokens([seqs[i] for i in inflight])
         device = to_device_packed(host, graphs.to_device if graphs is not None else self.to_device)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=device["slot_mapping"],
                                  context_lens=device["context_lens"], block_tables=device["block_tables"],
@@ -128,5 +128,7 @@ class StepInputs:
 
     def inflight_tokens(self, seqs: list[Sequence]) -> torch.Tensor:
         """The tokens the previous step sampled for `seqs`, read on the device."""
-        rows = np.array([self.last_token_rows[seq.seq_id] for seq in seqs], dtype=np.int64)
-        return self.last_tokens[self.to_device(rows)]
+        return self.last_tokens[self.to_device(self._rows_in_last_tokens(seqs))]
+
+    def _rows_in_last_tokens(self, seqs: list[Sequence]) -> np.ndarray:
+        return np.array([self.last_token_rows[seq.seq_id] for seq in seqs], dtype=np.int64)
