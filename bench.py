@@ -335,7 +335,7 @@ def main():
     parser.add_argument("--every-control", action="store_true",
                         help="streams sample with every control (top-k/p, min-p, penalties, seed, logprobs)")
     parser.add_argument("--profile", action="store_true",
-                        help="profile decode steps at batch 1 and 256 instead of timing the workload (CUDA)")
+                        help="profile decode steps at batch 1 and 256 (or at batch --streams) instead of timing (CUDA)")
     parser.add_argument("--mixed-sampling", action="store_true",
                         help="time the sampler alone at batch 256 and 1, every control vs temperature only (CUDA)")
     args = parser.parse_args()
@@ -354,8 +354,8 @@ def main():
         print(f"KV pool: {llm.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens "
               f"({args.kv_cache_dtype}), backend {llm.config.attention_backend}, tp {args.tensor_parallel_size}")
         if args.profile:
-            profile_decode(llm, 1)
-            profile_decode(llm, 256)
+            for batch in [args.streams] if args.streams else [1, 256]:
+                profile_decode(llm, batch)
         elif args.single_stream or args.streams:
             bench_streams(llm, args.prompt_len, args.new_tokens, args.streams or 1, args.every_control, args.runs)
         else:
