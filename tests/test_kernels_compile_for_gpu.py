@@ -21,7 +21,8 @@ BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
 # stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
 DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False,
-              ORDERED=True, PDL=True, PREFETCH=False, stride_vd=1)
+              ORDERED=True, PDL=True, PREFETCH=False, LAST_SPLIT_MERGES=True, MERGE_HEADS=2,
+              stride_vd=1)
 PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, PAGED=True,
                stride_vd=1)
 VARLEN = dict(PAGE=0, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages
@@ -58,7 +59,9 @@ def configurations():
         "decode fp8, prefetch": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                                  merge(DECODE, fp16, FP8_V, {"BLOCK_N": 128, "PREFETCH": True})),
         "decode bf16, prefetch": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"],
-                                  {**DECODE, **fp16, "PREFETCH": True}),
+                                  {**DECODE, **fp16, "PREFETCH": True, "NUM_SPLITS": 16, "LAST_SPLIT_MERGES": False}),
+        "decode reduce": (decode, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [],
+                          dict(D=128, NUM_SPLITS=16, PDL=True)),
         "prefill bf16": (prefill, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
         "prefill fp8": (prefill, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                         merge(PREFILL, fp16, FP8_V, {"BLOCK_M": 64, "BLOCK_N": 128})),

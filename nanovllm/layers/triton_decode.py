@@ -1,6 +1,6 @@
 """Triton paged decode attention: one query per sequence over its paged KV cache, the G query heads of a
-kv head in one program (GQA), split-K over long contexts, the splits merged by the last of them to finish.
-The cache layouts and the fp8 scheme: triton_attention.py."""
+kv head in one program (GQA), split-K over long contexts, the splits merged by the last of them to finish
+(for many splits, by a kernel of its own). The cache layouts and the fp8 scheme: triton_attention.py."""
 
 import torch
 import triton
@@ -64,7 +64,8 @@ def _decode_kernel(
     stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
-    ORDERED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    ORDERED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LAST_SPLIT_MERGES: tl.constexpr,
+    MERGE_HEADS: tl.constexpr,
 ):
     """Grid (KVH, B, NUM_SPLITS): the G query heads of kv head program_id(0) over one split of the context,
     of sequence order[program_id(1)] if ORDERED, else program_id(1). The kv head varies fastest, so the
@@ -77,9 +78,10 @@ def _decode_kernel(
     block tables); with PREFETCH it also asks L2 for its first tile of K/V, whose stale lines the store
     then overwrites in L2, the GPU's point of coherence.
 
-    With NUM_SPLITS > 1 each program stores its split's partial softmax (m, l, acc) and counts itself in
-    split_counts[seq, kv_head]; the last of the NUM_SPLITS to arrive merges them into out and sets the count
-    back to 0 for the next launch. A separate merge kernel cost a launch and a wait per layer."""
+    With NUM_SPLITS > 1 each program stores its split's partial softmax (m, l, acc). With LAST_SPLIT_MERGES
+    it also counts itself in split_counts[seq, kv_head], and the last of the NUM_SPLITS to arrive merges
+    them into out (MERGE_HEADS heads at a time) and sets the count back to 0 for the next launch; else
+    _decode_reduce_kernel merges them."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(0)
@@ -132,14 +134,18 @@ def _decode_kernel(
         tl.store(m_ptr + first_row + split, m_i, mask=g < G)
         tl.store(l_ptr + first_row + split, l_i, mask=g < G)
         tl.store(acc_ptr + (first_row + split)[:, None] * D + d[None, :], acc, mask=head_mask)
-        # Every thread's stores come before the count (one thread's atomic, which releases them at GPU scope).
-        tl.debug_barrier()
-        count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
-        if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            for head in tl.range(kv_head * G, kv_head * G + G, num_stages=1):  # no shared-memory buffers
-                _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr + seq * stride_ob + head * stride_oh,
-                              (seq * tl.num_programs(0) * G + head) * NUM_SPLITS, D, NUM_SPLITS)
-            tl.store(count_ptr, 0)
+        if LAST_SPLIT_MERGES:
+            # Every thread's stores come before the count (one thread's atomic, releasing them at GPU scope).
+            tl.debug_barrier()
+            count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
+            if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                # MERGE_HEADS heads at a time, unrolled, so that their loads are in flight together
+                for first in tl.range(kv_head * G, kv_head * G + G, MERGE_HEADS, num_stages=1):  # no smem buffers
+                    for i in tl.static_range(MERGE_HEADS):
+                        head = first + i
+                        _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr + seq * stride_ob + head * stride_oh,
+                                      (seq * tl.num_programs(0) * G + head) * NUM_SPLITS, D, NUM_SPLITS)
+                tl.store(count_ptr, 0)
 
 
 @triton.jit
@@ -155,6 +161,19 @@ def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, first_row, D: tl.constexpr, NU
     tl.store(out_ptr + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh, D: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """Grid (B, H): merge the NUM_SPLITS partial softmaxes of one (sequence, head)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr + seq * stride_ob + head * stride_oh,
+                  (seq * tl.num_programs(1) + head) * NUM_SPLITS, D, NUM_SPLITS)
+
+
 # The decode kernel prefetches its first tile (PREFETCH) from this many splits: a few sequences, whose
 # programs all start at once, each reading a few tiles. H200, thirteenth session (BENCHMARKS.md): at batch 1
 # (16 splits) the kernel added 113-140 µs a step, not 151; at batch 8 (4 splits) decode was 1.6% slower.
@@ -167,6 +186,23 @@ def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     while batch * num_kv_heads * splits * 2 <= target and splits * 256 <= max_context and splits < 64:
         splits *= 2
     return splits
+
+
+# Up to this many splits the last one to finish merges them; from more, a kernel of its own does, as many
+# programs as heads, which PDL starts while the decode kernel runs. H200, fp8, 1,000-2,000-token contexts
+# (BENCHMARKS.md, sixteenth session): merging in the decode kernel made decode 2.8% faster at batch 8 (8 splits)
+# and 1.3% at 16 (4 splits), but 3.5% slower at batch 1 (16 splits), 0.4% at 2 (32), 2.5% at 4 (16): its
+# merge waits on a fence, an atomic and a round trip to L2, one program per kv head.
+MAX_SPLITS_MERGED_BY_THE_LAST = 8
+
+
+def _merge_heads(group: int, num_splits: int) -> int:
+    """Heads the last split merges at once: the largest power of two dividing its group that keeps their
+    partials to 32 rows of head_dim (32 registers a thread at 4 warps, fewer than the attention loop takes)."""
+    heads = 1
+    while group % (2 * heads) == 0 and 2 * heads * num_splits <= 32:
+        heads *= 2
+    return heads
 
 
 def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
@@ -224,11 +260,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if num_splits is None:
         num_splits = _decode_num_splits(B, kvh, block_tables.shape[1] * page, q.device)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    last_split_merges = num_splits <= MAX_SPLITS_MERGED_BY_THE_LAST
     if num_splits > 1:  # per-split running max, sum and unnormalized output
         part_max = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
-        split_counts = _split_counts(B * kvh, q.device)
+        split_counts = _split_counts(B * kvh, q.device) if last_split_merges else out  # else unused
     else:
         part_max = part_sum = part_acc = split_counts = out  # unused
     strides = paged_strides(k_cache, v_cache, k_scale, block_tables)
@@ -240,7 +277,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=fp8_compute_dtype(q),
         ORDERED=order is not None, PDL=pdl,
-        PREFETCH=num_splits >= PREFETCH_MIN_SPLITS,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        PREFETCH=num_splits >= PREFETCH_MIN_SPLITS, LAST_SPLIT_MERGES=last_split_merges,
+        MERGE_HEADS=_merge_heads(G, num_splits), num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
+    if num_splits > 1 and not last_split_merges:
+        _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+                                      D=D, NUM_SPLITS=num_splits, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
