@@ -35,7 +35,8 @@ import triton
 from gpu_timing import bench, copy_bandwidth, emit, save_report  # scripts/gpu_timing.py
 
 from nanovllm.layers import (
-    attention,  # quantize_cache_fp8
+    attention,  # workspace_groups
+    kv_cache,  # quantize_cache_fp8, v_token_major
     triton_decode,
     triton_prefill,
 )
@@ -78,7 +79,7 @@ class Cache:
         self.v = torch.randn(shape, dtype=DTYPE, device=DEV)
         self.kv, self.scales = (self.k, self.v), {}
         if fp8:
-            k8, k_scale, v8, v_scale = attention.quantize_cache_fp8(self.k, self.v)
+            k8, k_scale, v8, v_scale = kv_cache.quantize_cache_fp8(self.k, self.v)
             self.kv, self.scales = (k8, v8), dict(k_scale=k_scale, v_scale=v_scale)
         self.fp8, self.kind = fp8, "fp8" if fp8 else "bf16"
         self.token_bytes = 2 * KVH * (D * self.kv[0].element_size() + 4 * fp8)  # K and V of one token
@@ -87,7 +88,7 @@ class Cache:
         """K, V [ctx, KVH, D] float32 of a sequence's first ctx tokens, as the Triton kernels see them."""
         tok = torch.arange(ctx, device=DEV)
         blocks, offsets = table[tok // PAGE].long(), tok % PAGE
-        k, v = (x[blocks, offsets].float() for x in (self.kv[0], attention.v_token_major(self.kv[1])))
+        k, v = (x[blocks, offsets].float() for x in (self.kv[0], kv_cache.v_token_major(self.kv[1])))
         if self.scales:
             k *= self.scales["k_scale"][blocks, :, offsets][..., None]  # scales [num_blocks, KVH, PAGE]
             v *= self.scales["v_scale"][blocks, :, offsets][..., None]

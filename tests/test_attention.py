@@ -9,14 +9,16 @@ from nanovllm.layers.attention import (
     AttentionMetadata,
     dequantizing_pays,
     flash_attention,
+    torch_attention,
+    triton_attention,
+    workspace_groups,
+)
+from nanovllm.layers.kv_cache import (
     quantize_cache_fp8,
     quantize_fp8,
     store_kvcache_torch,
     store_kvcache_triton,
-    torch_attention,
-    triton_attention,
     v_token_major,
-    workspace_groups,
 )
 from nanovllm.layers.qk_norm_rope import qk_norm_rope
 
@@ -102,7 +104,7 @@ def fp8_store_fused(key, value, k_cache, v_cache, slots, k_scale, v_scale):
 @pytest.mark.parametrize("store", [store_kvcache_triton, store_kvcache_torch, fp8_store_fused],
                          ids=["triton", "torch", "fused_qk_norm_rope"])
 def test_fp8_store_writes_no_nan(store):
-    """The Triton kernels read some of an fp8 cache's stale slots, so it must hold no NaN (attention.py):
+    """The Triton kernels read some of an fp8 cache's stale slots, so it must hold no NaN (kv_cache.py):
     a NaN element is stored as 0, and so is a head with an infinite element (its scale is infinite). (The
     head's other elements may differ: torch's amax of a head holding NaN is NaN, Triton's max skips it.)"""
     num_blocks, block_size, num_kv_heads, head_dim = 2, 16, 2, 8

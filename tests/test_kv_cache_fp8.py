@@ -8,7 +8,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.engine import model_runner
-from nanovllm.layers import attention
+from nanovllm.layers import attention, kv_cache
 from nanovllm.utils.tiny_model import write_tiny_qwen3
 from tests.conftest import NUM_NEW_TOKENS
 
@@ -46,7 +46,7 @@ def test_fp8_pool_holds_about_twice_the_tokens(tiny_model, tiny_model_head_dim_1
 
 
 def test_fp8_pool_starts_without_nan(tiny_model, monkeypatch):
-    """The Triton kernels read some of an fp8 cache's stale slots (attention.py), so the pool must hold
+    """The Triton kernels read some of an fp8 cache's stale slots (kv_cache.py), so the pool must hold
     no NaN from the start, whatever torch.empty returns: here, NaN."""
     empty = torch.empty
 
@@ -66,9 +66,9 @@ def test_fp8_pool_starts_without_nan(tiny_model, monkeypatch):
 
 
 def _rounding_store(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
-                    store=attention.store_kvcache_torch):
+                    store=kv_cache.store_kvcache_torch):
     """The torch store of a float cache, writing K/V rounded through fp8 and back."""
-    key, value = (q.float() * s[..., None] for q, s in map(attention.quantize_fp8, (key, value)))
+    key, value = (q.float() * s[..., None] for q, s in map(kv_cache.quantize_fp8, (key, value)))
     store(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -79,7 +79,7 @@ def runs(tiny_model, prompts) -> dict[str, list[dict]]:
     outputs = {}
     for name in ("auto", "fp8", "rounded"):
         with pytest.MonkeyPatch.context() as patch:
-            if name == "rounded":  # layers bind their store at construction
+            if name == "rounded":  # layers bind their store, attention.py's name for it, at construction
                 patch.setattr(attention, "store_kvcache_torch", _rounding_store)
             with LLM(tiny_model, kv_cache_dtype="fp8" if name == "fp8" else "auto", **OPTIONS) as llm:
                 outputs[name] = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.layers.attention import store_kvcache_torch, store_kvcache_triton
+from nanovllm.layers.kv_cache import store_kvcache_torch, store_kvcache_triton
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.qk_norm_rope import _heads_per_program, qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rope, default_inv_freq

@@ -17,7 +17,8 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from nanovllm.layers import triton_decode, triton_prefill  # noqa: E402
-from nanovllm.layers.attention import quantize_cache_fp8, quantize_fp8, v_token_major, workspace_groups  # noqa: E402
+from nanovllm.layers.attention import workspace_groups  # noqa: E402
+from nanovllm.layers.kv_cache import quantize_cache_fp8, quantize_fp8, v_token_major  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -54,7 +55,7 @@ def make_cache(context_lens, block_size, kvh, d, dtype=torch.float32, spare_bloc
 def fp8_cache(k_cache, v_cache):
     """The caches quantized as the KV store writes them: fp8 k, v, their scales as kernel kwargs, and
     the dequantized float64 k, v the reference reads. The NaN slots get NaN scales, and as values the
-    largest finite e4m3 (an fp8 cache holds no NaN, attention.py), so a kernel that lets a key past the
+    largest finite e4m3 (an fp8 cache holds no NaN, kv_cache.py), so a kernel that lets a key past the
     context into its result, or reads a wrong slot, gets it wrong."""
     k8, k_scale, v8, v_scale = quantize_cache_fp8(k_cache, v_cache)
     for x, scale in ((k8, k_scale), (v_token_major(v8), v_scale)):

@@ -160,7 +160,7 @@ class ModelRunner:
                 f"{block_bytes / 2**20:.1f} MiB) at gpu_memory_utilization={self.config.gpu_memory_utilization}; "
                 f"raise it or lower max_num_batched_tokens / max_num_seqs")
         shape = (2, hf.num_hidden_layers, num_blocks)
-        # An fp8 cache must hold no NaN, not even in slots never written (attention.py): zeroed.
+        # An fp8 cache must hold no NaN, not even in slots never written (kv_cache.py): zeroed.
         new_pool = torch.zeros if fp8 else torch.empty
         self.kv_cache = new_pool(*shape, self.block_size, self.num_kv_heads, self.head_dim, dtype=cache_dtype,
                                  device=self.device)
@@ -170,7 +170,7 @@ class ModelRunner:
         attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         for i, layer in enumerate(attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            if fp8:  # V tokens contiguous (attention.py)
+            if fp8:  # V tokens contiguous (kv_cache.py)
                 layer.v_cache = layer.v_cache.view(num_blocks, self.num_kv_heads, self.head_dim, self.block_size)
                 layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
         return num_blocks

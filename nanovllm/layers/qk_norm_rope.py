@@ -4,7 +4,7 @@ can also write the new K and V into the paged KV cache.
 It replaces `rms_norm` on q and k followed by `apply_rope` and the KV store on CUDA, where those are
 several small kernels per layer. The op order is the torch code's, so results match it to the last bit
 but for the sum of squares, whose reduction order differs (see tests/test_qk_norm_rope.py for the
-bounds). The cache gets exactly what the KV store (attention.py) would write of the returned k and of v.
+bounds). The cache gets exactly what the KV store (kv_cache.py) would write of the returned k and of v.
 The qkv projection's split-K partials (a SplitKSum) can be given instead of its output: the kernel sums
 them as it loads, so the projection needs no reduction kernel.
 """
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention import check_kv_cache, store_fp8_scale, to_fp8
+from nanovllm.layers.kv_cache import check_kv_cache, store_fp8_scale, to_fp8
 from nanovllm.layers.layernorm import weighted_as_torch
 from nanovllm.layers.skinny_gemm import SplitKSum, load_split_sum, split_operand
 from nanovllm.utils.device import pdl_enabled

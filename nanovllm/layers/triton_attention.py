@@ -6,9 +6,9 @@ t % block_size. The softmax runs in the log2 domain (exp2, with scale * log2(e) 
 logits) and accumulates in float32.
 
 fp8 KV cache: k_cache, v_cache are float8_e4m3fn, v_cache laid out [num_blocks, num_kv_heads, head_dim,
-block_size] (tokens contiguous, attention.py says why; the kernels take V's strides apart from K's), and
+block_size] (tokens contiguous, kv_cache.py says why; the kernels take V's strides apart from K's), and
 k_scale, v_scale [num_blocks, num_kv_heads, block_size] float32 hold each token's per-head scale
-(cached value = x / scale, see attention.quantize_fp8), so the scales a tile needs for one kv head are
+(cached value = x / scale, see kv_cache.quantize_fp8), so the scales a tile needs for one kv head are
 contiguous. The scales are applied where they cost least: key j's logits are multiplied by k_scale[j]
 (q . (s k) = s (q . k)) and the probabilities by v_scale[j] before the PV product, so the fp8 tiles
 only need converting. They are converted to float16, not bfloat16: e4m3 -> f16 is one instruction per
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention import FP8_MAX, FP8_MIN_AMAX, v_token_major
+from nanovllm.layers.kv_cache import FP8_MAX, FP8_MIN_AMAX, v_token_major
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free for rows that
@@ -62,7 +62,7 @@ def load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, limi
     Tokens >= limit read 0, but in an fp8 V: its loads are masked by runs of FP8_V_RUN tokens, as a mask
     that varied along V's contiguous token axis would split them into single bytes. The tokens past limit
     in the last run read whatever their slot holds, from their page or block 0, never out of bounds: a
-    finite value (an fp8 cache holds no NaN, attention.py), which their masked logit and zero scale take
+    finite value (an fp8 cache holds no NaN, kv_cache.py), which their masked logit and zero scale take
     out of the result."""
     tok = start + tl.arange(0, BLOCK_N)
     mask = tok < limit
@@ -151,7 +151,7 @@ def softmax_step(q, q_scale, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, ma
 @triton.jit
 def quantize_rows(x):
     """x [M, D] -> (x / s as float8_e4m3fn, s [M] float32), s = amax(|x|) / 448 per row, as
-    attention.quantize_fp8 scales a head (the divisions rounded as torch's, so the tests can round q
+    kv_cache.quantize_fp8 scales a head (the divisions rounded as torch's, so the tests can round q
     exactly as the kernel does)."""
     x = x.to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_AMAX), FP8_MAX)
