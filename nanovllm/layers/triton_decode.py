@@ -219,18 +219,19 @@ def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
     return min(64, max(16, 8192 // head_dim)), 4, 3
 
 
-# Per device, the decode kernel's split counts (zeroed int32, which every launch leaves zeroed): one buffer for
-# all launches, which the device's stream runs one after another. Grown outside CUDA-graph capture: the graphs'
-# warm-up runs each batch size eagerly first (cuda_graph.DecodeGraphs).
-_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
+# Per device, the decode kernel's split counts (zeroed int32, which every launch leaves zeroed): the last
+# buffer serves all launches, which the device's stream runs one after another. The heuristic splits only
+# batches of B * KVH <= 2 * SMs rows, so 1,024 counts last; a launch that needs more (num_splits given) gets
+# a new buffer, and the old ones stay alive for the CUDA graphs captured with them.
+_SPLIT_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _split_counts(n: int, device: torch.device) -> torch.Tensor:
     """At least n zeroed int32 counts on `device` for the decode kernel's splits."""
-    counts = _SPLIT_COUNTS.get(device)
-    if counts is None or counts.numel() < n:
-        counts = _SPLIT_COUNTS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return counts
+    buffers = _SPLIT_COUNTS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None, v_scale=None,
