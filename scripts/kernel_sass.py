@@ -7,10 +7,12 @@ which matrix instructions run, did anything spill" before any device time is spe
 
 The configurations are those of tests/test_kernels_compile_for_gpu.py. Arguments get the
 specializations the runtime gives them: pointers and strides divisible by 16 (aligned tensors,
-strides that are multiples of 16), and a stride of 1 where the configuration says so. Without these
-the loads look scalar, and the SASS misleads. The local Triton may not be the device's (3.6 there), so
-confirm what matters with a GPU run. Reading the fp8 decode kernel this way found V fetched from
-shared memory byte by byte (128 `LDS.U8` per thread per tile; BENCHMARKS.md, seventh session).
+strides that are multiples of 16), and a stride of 1 where the configuration says so; integer
+arguments only when named (--divisible K,k_per_split: the skinny GEMM at the Qwen3 shapes, whose
+loads and pipelining look scalar without them). Without these the SASS misleads. The local Triton
+may not be the device's (3.6 there), so confirm what matters with a GPU run. Reading the fp8 decode
+kernel this way found V fetched from shared memory byte by byte (128 `LDS.U8` per thread per tile;
+BENCHMARKS.md, seventh session).
 """
 
 import argparse
@@ -29,11 +31,11 @@ from tests.test_kernels_compile_for_gpu import configurations, kernel_source  # 
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def compile_for_sm90(config: tuple, num_warps: int, num_stages: int):
+def compile_for_sm90(config: tuple, num_warps: int, num_stages: int, divisible: tuple[str, ...] = ()):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    return triton.compile(kernel_source(*config, aligned=True), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(kernel_source(*config, aligned=True, divisible=divisible), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
@@ -54,12 +56,15 @@ def main():
     parser.add_argument("--num-stages", type=int, default=2)
     parser.add_argument("--top", type=int, default=30, help="instructions to list")
     parser.add_argument("--sass", help="also write the whole SASS to this file")
+    parser.add_argument("--divisible", default="", help="integer arguments that are multiples of 16 at run time, "
+                        "comma-separated (e.g. K,k_per_split for the skinny GEMM): without them its loads look scalar")
     args = parser.parse_args()
     configs = configurations()
     if args.config not in configs:
         print("configurations:\n  " + "\n  ".join(configs))
         return
-    compiled = compile_for_sm90(configs[args.config], args.num_warps, args.num_stages)
+    divisible = tuple(name for name in args.divisible.split(",") if name)
+    compiled = compile_for_sm90(configs[args.config], args.num_warps, args.num_stages, divisible)
     sass = cuobjdump(compiled.asm["cubin"], "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

@@ -124,10 +124,12 @@ def configurations():
     }
 
 
-def kernel_source(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict, aligned: bool = False):
+def kernel_source(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict, aligned: bool = False,
+                  divisible: tuple[str, ...] = ()):
     """Triton's ASTSource of a @triton.jit kernel: pointers as given (others float32), floats fp32,
     constexprs fixed, other arguments i32. aligned: pointers and strides divisible by 16, as the runtime
-    specializes them for aligned tensors (scripts/kernel_sass.py)."""
+    specializes them for aligned tensors (scripts/kernel_sass.py); so are the integer arguments named in
+    `divisible`, as the runtime specializes an integer that is a multiple of 16 (e.g. a GEMM's K)."""
     import importlib
 
     from triton.compiler import ASTSource
@@ -138,7 +140,8 @@ def kernel_source(module: str, kernel: str, pointers: dict, floats: list, conste
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*fp32") if name.endswith("_ptr")
                  else "fp32" if name in floats else "i32" for name in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-             if aligned and name not in constexprs and (name.endswith("_ptr") or name.startswith("stride"))}
+             if name in divisible or (aligned and name not in constexprs
+                                      and (name.endswith("_ptr") or name.startswith("stride")))}
     return ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
 
 
