@@ -16,6 +16,7 @@ BENCHMARKS.md, seventh session).
 """
 
 import argparse
+import ast
 import collections
 import os
 import re
@@ -29,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from tests.test_kernels_compile_for_gpu import configurations, kernel_source  # noqa: E402
 
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+ADDRESSED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+BACKWARD = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?BRA\s+(?:`?\(?)(0x[0-9a-f]+)")
 
 
 def compile_for_sm90(config: tuple, num_warps: int, num_stages: int, divisible: tuple[str, ...] = ()):
@@ -58,13 +61,22 @@ def main():
     parser.add_argument("--sass", help="also write the whole SASS to this file")
     parser.add_argument("--divisible", default="", help="integer arguments that are multiples of 16 at run time, "
                         "comma-separated (e.g. K,k_per_split for the skinny GEMM): without them its loads look scalar")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="override a constexpr of the configuration (a Python literal), e.g. --set BLOCK_N=64")
+    parser.add_argument("--loops", action="store_true",
+                        help="also histogram the instructions of each loop body (a backward branch's range)")
     args = parser.parse_args()
     configs = configurations()
     if args.config not in configs:
         print("configurations:\n  " + "\n  ".join(configs))
         return
     divisible = tuple(name for name in args.divisible.split(",") if name)
-    compiled = compile_for_sm90(configs[args.config], args.num_warps, args.num_stages, divisible)
+    module, kernel, pointers, floats, constexprs = configs[args.config]
+    for assignment in args.set:
+        name, value = assignment.split("=", 1)
+        constexprs = {**constexprs, name: ast.literal_eval(value)}
+    compiled = compile_for_sm90((module, kernel, pointers, floats, constexprs), args.num_warps, args.num_stages,
+                                divisible)
     sass = cuobjdump(compiled.asm["cubin"], "-sass")
     if args.sass:
         with open(args.sass, "w") as f:
@@ -75,6 +87,22 @@ def main():
           f"{sum(opcodes.values())} instructions (num_warps {args.num_warps}, num_stages {args.num_stages})")
     for opcode, count in opcodes.most_common(args.top):
         print(f"{count:6d}  {opcode}")
+    if args.loops:
+        for start, end, body in loop_bodies(sass):
+            print(f"loop {start:#x}..{end:#x}: {len(body)} instructions an iteration")
+            for opcode, count in collections.Counter(body).most_common(args.top):
+                print(f"{count:6d}  {opcode}")
+
+
+def loop_bodies(sass: str) -> list[tuple[int, int, list[str]]]:
+    """(start, end, opcodes) of each backward branch's range: a loop body, as the SASS lays it out."""
+    instructions = [(int(address, 16), opcode) for address, opcode in ADDRESSED.findall(sass)]
+    loops = []
+    for address, target in BACKWARD.findall(sass):
+        start, end = int(target, 16), int(address, 16)
+        if start < end:
+            loops.append((start, end, [opcode for at, opcode in instructions if start <= at <= end]))
+    return loops
 
 
 if __name__ == "__main__":
