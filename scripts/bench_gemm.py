@@ -5,6 +5,7 @@ for an H200).
     python scripts/bench_gemm.py --sweep    # also search launch configs at M = 1 and 8 (~2 min more)
     python scripts/bench_gemm.py --chain    # only 28 layers of Qwen3-0.6B's decode linears, launch variants
     python scripts/bench_gemm.py --swiglu   # only 28 layers of the decode MLP: gate_up + SiLU vs skinny_swiglu
+    ... --rows 1,4,16                       # the rows (M) of --sweep, --chain, --swiglu (default 1,8)
 
 bf16, y = x [M, K] @ weight [N, K].T. Times are medians of triton.testing.do_bench over CUDA-graph
 replays of the one op (GPU time without host launch overhead, as in the engine's decode graphs;
@@ -137,12 +138,12 @@ def layer_chain(M, layers, overrides, one_layer=False):
     return run
 
 
-def run_chain():
+def run_chain(rows):
     layers = 28
     emit(f"== {layers} layers of Qwen3-0.6B decode linears + norms + SiLU (attention aside), one CUDA graph; "
          "us per layer")
     emit(f"{'M':>3} " + " ".join(f"{name:>13}" for name in CHAIN_VARIANTS))
-    for M in (1, 8):
+    for M in rows:
         times = []
         for variant in CHAIN_VARIANTS.values():
             with pdl_setting(variant["pdl"]):
@@ -178,8 +179,13 @@ def mlp_chain(M, layers, swiglu_config):
         x, residual = x0, x0
         for w in weights:
             h, residual = norm(x, residual)
+            if swiglu_config == "cuBLAS":
+                x = F.linear(silu_and_mul_triton(F.linear(h, w["gate_up"])), w["down"])
+                continue
             if swiglu_config is None:
                 act = silu_and_mul_triton(sg.skinny_linear(h, w["gate_up"]))
+            elif swiglu_config == "default":
+                act = sg.skinny_swiglu(h, w["gate_up"])
             else:
                 bn, bk, warps, stages = swiglu_config
                 act = sg.skinny_swiglu(h, w["gate_up"], block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
@@ -189,15 +195,18 @@ def mlp_chain(M, layers, swiglu_config):
     return run
 
 
-def run_swiglu():
+def run_swiglu(rows):
     layers = 28
     emit(f"== {layers} layers of Qwen3-0.6B's decode MLP (norm, gate_up + SiLU or skinny_swiglu, down), one CUDA "
          "graph, PDL as configured; us per layer")
-    for M in (1, 8):
+    for M in rows:
         unfused = bench(mlp_chain(M, layers, None)) * 1e3 / layers
+        cublas = bench(mlp_chain(M, layers, "cuBLAS")) * 1e3 / layers
+        default = bench(mlp_chain(M, layers, "default")) * 1e3 / layers
         fused = {config: bench(mlp_chain(M, layers, config)) * 1e3 / layers for config in SWIGLU_CONFIGS}
-        emit(f"M={M}: gate_up + SiLU {unfused:.2f}; skinny_swiglu " + "  ".join(
-            f"{'/'.join(map(str, c))}:{t:.2f}" for c, t in sorted(fused.items(), key=lambda item: item[1])))
+        emit(f"M={M}: cuBLAS {cublas:.2f}; gate_up + SiLU {unfused:.2f}; skinny_swiglu default {default:.2f}, "
+             + "  ".join(f"{'/'.join(map(str, c))}:{t:.2f}"
+                         for c, t in sorted(fused.items(), key=lambda item: item[1])))
 
 
 TILES = [(bn, bk) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
@@ -254,24 +263,26 @@ def main():
                         help="only time 28 layers of decode linears under launch variants")
     parser.add_argument("--swiglu", action="store_true",
                         help="only time 28 layers of the decode MLP: gate_up + SiLU against skinny_swiglu configs")
+    parser.add_argument("--rows", type=lambda s: [int(m) for m in s.split(",")], default=[1, 8],
+                        help="rows (M <= 16) of --sweep, --chain and --swiglu, comma-separated (default 1,8)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
     torch.manual_seed(0)
     emit(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if args.swiglu:
-        run_swiglu()
+        run_swiglu(args.rows)
         save_report("bench_gemm.txt")
         return
     if args.chain:
-        run_chain()
+        run_chain(args.rows)
         save_report("bench_gemm.txt")
         return
     run_default(copy_bandwidth())
     if args.sweep:
         emit("== sweep: config bn/bk/split/warps/stages: us/TB/s (medians), top 5 of a coordinate search")
         for model, layer, N, K in SHAPES:
-            for M in (1, 8):
+            for M in args.rows:
                 sweep_shape(model, layer, N, K, M)
     emit(f"total {time.time() - start:.0f} s")
     save_report("bench_gemm.txt")

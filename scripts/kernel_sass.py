@@ -4,6 +4,7 @@ which matrix instructions run, did anything spill" before any device time is spe
 
     python scripts/kernel_sass.py                                    # list the configurations
     python scripts/kernel_sass.py "decode fp8" --num-warps 4 --num-stages 2 [--sass FILE]
+    python scripts/kernel_sass.py "decode fp8" --set BLOCK_N=64 --loops  # a constexpr changed; per-iteration counts
 
 The configurations are those of tests/test_kernels_compile_for_gpu.py. Arguments get the
 specializations the runtime gives them: pointers and strides divisible by 16 (aligned tensors,
@@ -12,7 +13,9 @@ arguments only when named (--divisible K,k_per_split: the skinny GEMM at the Qwe
 loads and pipelining look scalar without them). Without these the SASS misleads. The local Triton
 may not be the device's (3.6 there), so confirm what matters with a GPU run. Reading the fp8 decode
 kernel this way found V fetched from shared memory byte by byte (128 `LDS.U8` per thread per tile;
-BENCHMARKS.md, seventh session).
+BENCHMARKS.md, seventh session). `--loops` counts what one iteration of each loop issues: the fp8 decode
+kernel's 905 instructions a warp per 128-key tile include 160 register moves that assemble q's MMA operand
+(seventeenth session).
 """
 
 import argparse
