@@ -5,6 +5,8 @@
 Qwen3-0.6B heads (16 q, 8 kv, head_dim 128), bf16, 256-token pages. Each token goes to its own random
 block, as a decode step's tokens do (one per sequence). Three stores: none, into a bf16 cache, into an
 fp8 cache (whose V is laid out tokens-contiguous, so a token's V head lands in 128 bytes 256 apart).
+Then prefill steps, whose tokens fill consecutive slots: the fp8 V stored by each token's program, or by
+tiles of V_STORE_TILE tokens (the engine's prefill path), against the bf16 store.
 Times are medians over CUDA-graph replays (scripts/gpu_timing.py); the table is printed and, if $OUT is
 set, written to $OUT/bench_qk_norm_rope.txt.
 """
@@ -14,10 +16,10 @@ import functools
 import torch
 from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.layers.qk_norm_rope import MANY_TOKENS, qk_norm_rope
+from nanovllm.layers.qk_norm_rope import MANY_TOKENS, V_STORE_TILE, qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
 
-H, KVH, D, PAGE, BLOCKS = 16, 8, 128, 256, 4096
+H, KVH, D, PAGE, BLOCKS = 16, 8, 128, 256, 4096  # 16,384 tokens from block 7 fit
 DEV, DTYPE = "cuda", torch.bfloat16
 
 
@@ -51,6 +53,18 @@ def main():
                                          heads_per_program=heads, **kv)
                 row.append(f"{bench(call) * 1e3:11.2f}")
         emit(" ".join(row))
+    emit(f"prefill (consecutive slots), us per call, default heads per program: bf16 store; fp8 store with V "
+         f"by each token's program / by tiles of {V_STORE_TILE} tokens")
+    for tokens in (1024, 4096, 16384):
+        qkv = torch.randn(tokens, (H + 2 * KVH) * D, dtype=DTYPE, device=DEV)
+        positions = torch.arange(tokens, device=DEV) % 4096
+        slots = torch.arange(tokens, device=DEV) + 7 * PAGE
+        times = []
+        for fp8, tile in ((False, 0), (True, 0), (True, V_STORE_TILE)):
+            call = functools.partial(qk_norm_rope, qkv, positions, rope.cos_sin_cache, H, KVH, D, *weights,
+                                     slot_mapping=slots, v_store_tile=tile, **caches(fp8))
+            times.append(bench(call) * 1e3)
+        emit(f"{tokens:>6} " + " ".join(f"{t:11.2f}" for t in times))
     save_report("bench_qk_norm_rope.txt")
 
 

@@ -19,7 +19,7 @@ import torch
 from nanovllm import LLM
 from nanovllm.layers.kv_cache import store_kvcache_torch, store_kvcache_triton
 from nanovllm.layers.layernorm import rms_norm
-from nanovllm.layers.qk_norm_rope import _heads_per_program, qk_norm_rope
+from nanovllm.layers.qk_norm_rope import V_STORE_TILE, _heads_per_program, qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rope, default_inv_freq
 from nanovllm.layers.skinny_gemm import SplitKSum
 from nanovllm.utils.tiny_model import write_tiny_llama
@@ -114,16 +114,18 @@ def reference_stores(fp8: bool, device: str) -> list:
 
 
 def check_store(num_tokens, num_heads, num_kv_heads, head_dim, dtype, block_size, fp8, norm=True, device=DEVICE,
-                heads_per_program=None):
+                heads_per_program=None, v_store_tile=0, slots=None):
     """The cache holds exactly the KV store's writes of the returned k and of v (slot -1 rows and the
-    unused slots stay NaN); q and k are within the bounds of the kernel without the store."""
+    unused slots stay NaN); q and k are within the bounds of the kernel without the store. slots: the
+    slot mapping (default make_slots: random, two of them -1)."""
     inputs = make_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, norm, device)
     num_blocks = (num_tokens + block_size - 1) // block_size + 2
-    slots = make_slots(num_tokens, num_blocks * block_size, device)
+    slots = make_slots(num_tokens, num_blocks * block_size, device) if slots is None else slots.to(device)
     cache_args = (num_blocks, block_size, num_kv_heads, head_dim, dtype, fp8, device)
     cache = nan_cache(*cache_args)
     args = (*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
-    q, k, _ = qk_norm_rope(*args, eps=EPS, slot_mapping=slots, heads_per_program=heads_per_program, **cache)
+    q, k, _ = qk_norm_rope(*args, eps=EPS, slot_mapping=slots, heads_per_program=heads_per_program,
+                           v_store_tile=v_store_tile, **cache)
     # As accurate as without the store. Not bit-equal to it: the store changes the layout Triton gives the
     # heads, hence the order in which a head's sum of squares is reduced (H200, BENCHMARKS.md, tenth session).
     ref_q, ref_k = reference(*inputs[:3], num_heads, num_kv_heads, head_dim, *inputs[3:])
@@ -178,6 +180,15 @@ def test_stores_at_other_block_sizes(block_size, fp8):
 
 def test_stores_k_and_v_with_rope_only():
     check_store(37, 4, 2, 128, torch.bfloat16, 16, fp8=True, norm=False)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model_dtype_cache", "fp8_cache"])
+@pytest.mark.parametrize("contiguous", [False, True], ids=["random_slots", "prefill_slots"])
+def test_stores_v_by_tiles_of_tokens(fp8, contiguous):
+    """v_store_tile: an fp8 cache's V written by tiles of 16 tokens (the last one ragged), at random slots
+    (two of them -1) or at a prefill's consecutive slots from mid-block; a model-dtype cache ignores it."""
+    slots = torch.arange(37) + 5 if contiguous else None
+    check_store(37, 4, 2, 64, torch.bfloat16, 16, fp8, v_store_tile=16, slots=slots)
 
 
 def check_split_k_sum(num_tokens, num_heads, num_kv_heads, head_dim, splits, fp8, device=DEVICE, heads_per_program=1):
@@ -253,6 +264,13 @@ def test_qwen3_0_6b_shapes_on_cuda(num_tokens, norm):
 @pytest.mark.parametrize("num_tokens", [1, 256, 1000])
 def test_qwen3_0_6b_store_on_cuda(num_tokens, fp8):
     check_store(num_tokens, 16, 8, 128, torch.bfloat16, 256, fp8, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [256, 1000])
+def test_qwen3_0_6b_v_store_by_tiles_on_cuda(num_tokens):
+    check_store(num_tokens, 16, 8, 128, torch.bfloat16, 256, True, device="cuda", v_store_tile=V_STORE_TILE,
+                slots=torch.arange(num_tokens) + 100)
 
 
 @needs_cuda

@@ -32,13 +32,16 @@ FP8_MIN_AMAX = tl.constexpr(1e-12)  # an all-zero head still gets a positive sca
 
 
 @triton.jit
-def store_fp8_scale(amax, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
-    """The fp8 scale of head(s) `head` of the token in cache slot `slot`, whose largest |element| is
+def store_fp8_scale(amax, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr, mask=None):
+    """The fp8 scale of head(s) `head` of the token(s) in cache slot(s) `slot`, whose largest |element| is
     amax (float32), as quantize_fp8 computes it; stored at scale_ptr[slot // PAGE, head, slot % PAGE]
-    but for heads >= NUM_KV_HEADS (padding to a power of two)."""
+    but for heads >= NUM_KV_HEADS (padding to a power of two) and where `mask` (if given) is False."""
     scale = tl.maximum(amax, FP8_MIN_AMAX) / FP8_MAX
     offs = (slot // PAGE) * (NUM_KV_HEADS * PAGE) + head * PAGE + slot % PAGE
-    tl.store(scale_ptr + offs, scale, mask=head < NUM_KV_HEADS)
+    stored = head < NUM_KV_HEADS
+    if mask is not None:  # a where, not `&`: the interpreter cannot store with a scalar & vector mask
+        stored = tl.where(stored, mask, False)
+    tl.store(scale_ptr + offs, scale, mask=stored)
     return scale
 
 

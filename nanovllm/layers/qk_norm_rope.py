@@ -41,6 +41,31 @@ def _store_heads(x1, x2, cache_ptr, scale_ptr, slot, first_head, HEADS: tl.const
 
 
 @triton.jit
+def _store_v_fp8_tiles_kernel(qkv_ptr, stride_qkv, slot_mapping_ptr, v_cache_ptr, v_scale_ptr, num_tokens,
+                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
+                              PAGE: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(num_tokens, TILE), NUM_KV_HEADS): kv head program_id(1) of qkv's tokens in one tile, as
+    _store_heads writes them into an fp8 V cache, but with a warp's lanes on consecutive tokens of one dim:
+    where their slots are consecutive (prefill) a warp writes one sector, not one byte of each of 32."""
+    if PDL:  # launched while the q/k norm + RoPE kernel runs; qkv is the projection's, before it
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    tokens = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    head = tl.program_id(1)
+    d = tl.arange(0, D)
+    present = tokens < num_tokens
+    slot = tl.load(slot_mapping_ptr + tokens, mask=present, other=-1)  # -1: write nothing
+    stored = slot != -1
+    v = tl.load(qkv_ptr + tokens.to(tl.int64)[:, None] * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + head) * D + d,
+                mask=present[:, None], other=0.0).to(tl.float32)  # [TILE, D]
+    scale = store_fp8_scale(tl.max(tl.abs(v), 1), v_scale_ptr, slot, head, NUM_KV_HEADS, PAGE, stored)
+    # [num_blocks, kv_heads, D, PAGE]: a token's elements PAGE apart, a dim's consecutive slots adjacent. Triton
+    # gives the store's lanes the tokens (axis 0), so a warp writes 32 consecutive slots of one dim.
+    base = ((slot // PAGE) * NUM_KV_HEADS + head) * (D * PAGE) + slot % PAGE
+    tl.store(v_cache_ptr + base[:, None] + d[None, :] * PAGE, to_fp8(v / scale[:, None]), mask=stored[:, None])
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, cos_sin_ptr, stride_cs, q_ptr, k_ptr,
                          v_ptr, q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
                          k_scale_ptr, v_scale_ptr,
@@ -111,7 +136,8 @@ def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin
                  k_weight: torch.Tensor | None = None, eps: float = 1e-6, slot_mapping: torch.Tensor | None = None,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 heads_per_program: int | None = None,
+                 v_store_tile: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads, head_dim]) from the
     qkv projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]: q and k new contiguous tensors,
     each head RMS-normed with q_weight / k_weight (when given; None for RoPE only), then rotated by RoPE at
@@ -126,6 +152,10 @@ def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin
     One program per token and heads_per_program heads of one kind (q, k or, when storing or given a
     SplitKSum, v; default: _heads_per_program) reads them once (and the token's cos/sin row) and writes
     the result; no host sync, so it is CUDA-graph capturable.
+
+    v_store_tile (a power of two; 0: off) stores an fp8 cache's V by a kernel of its own, a program per
+    tile of that many tokens and kv head: for prefill, whose consecutive tokens have consecutive slots
+    (_store_v_fp8_tiles_kernel). Without it each token's V head lands as 128 single bytes PAGE apart.
     """
     num_tokens = qkv.shape[0]
     data, splits, split_stride = split_operand(qkv)
@@ -151,7 +181,9 @@ def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin
         v = qkv[:, -num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
     heads = heads_per_program or _heads_per_program(num_tokens, num_heads, num_kv_heads)
     assert num_heads % heads == 0 and num_kv_heads % heads == 0 and heads & (heads - 1) == 0
-    grid = (num_tokens, (num_heads + num_kv_heads + (num_kv_heads if store or splits else 0)) // heads)
+    v_tiles = store and fp8 and v_store_tile > 0 and not splits
+    v_programs = splits or (store and not v_tiles)
+    grid = (num_tokens, (num_heads + num_kv_heads + (num_kv_heads if v_programs else 0)) // heads)
     pdl = pdl_enabled(data.device)
     _qk_norm_rope_kernel[grid](
         data, data.stride(-2), split_stride, positions, cos_sin_cache, cos_sin_cache.stride(0), q, k, v, q_weight,
@@ -162,11 +194,19 @@ def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin
         num_warps=1,
         # No FMA contraction: x1 * cos - x2 * sin rounds each product as torch does.
         enable_fp_fusion=False)
+    if v_tiles:
+        assert v_store_tile & (v_store_tile - 1) == 0, f"v_store_tile={v_store_tile} is not a power of two"
+        _store_v_fp8_tiles_kernel[(triton.cdiv(num_tokens, v_store_tile), num_kv_heads)](
+            data, data.stride(-2), slot_mapping, v_cache, v_scale, num_tokens, NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads, D=head_dim, PAGE=k_cache.size(1), TILE=v_store_tile, PDL=pdl, launch_pdl=pdl,
+            num_warps=4)
     return q, k, v
 
 
 # From this many tokens a program takes several heads (_heads_per_program).
 MANY_TOKENS = 64
+# Tokens per program of a prefill's fp8 V store (qk_norm_rope's v_store_tile).
+V_STORE_TILE = 64
 
 
 def _heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:

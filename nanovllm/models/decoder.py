@@ -13,7 +13,7 @@ from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, skinny_applies
-from nanovllm.layers.qk_norm_rope import qk_norm_rope
+from nanovllm.layers.qk_norm_rope import V_STORE_TILE, qk_norm_rope
 from nanovllm.layers.rotary_embedding import get_rope
 from nanovllm.layers.skinny_gemm import SplitKSum, skinny_swiglu
 
@@ -52,21 +52,23 @@ class DecoderAttention(nn.Module):
         fused = hidden_states.is_cuda
         # Fused: the q/k norm + RoPE kernel sums the projection's split-K partials itself.
         qkv = self.qkv_proj(hidden_states, defer_sum=fused)
-        q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping)
+        q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping, meta.is_prefill)
         out = self.attn(q, k, v, meta, kv_stored=fused)
         return self.o_proj(out.flatten(1, -1), defer_sum=True)  # summed by the post-attention norm
 
     def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum, fused: bool,
-                  slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  slot_mapping: torch.Tensor | None = None,
+                  prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim] from the qkv
         projection: q and k per-head RMS-normed (with qk_norm), then rotated. `fused`: one Triton kernel
         (CUDA), which with slot_mapping also stores the new K and V into self.attn's cache (once the pool
-        exists); else the torch ops, the exact reference the CPU tests compare with transformers, storing
-        nothing."""
+        exists; a prefill's fp8 V by tiles of consecutive tokens); else the torch ops, the exact reference
+        the CPU tests compare with transformers, storing nothing."""
         if fused:
             norm = dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps) \
                 if self.qk_norm else {}
-            store = dict(slot_mapping=slot_mapping, **self.attn.kv_cache_views()) if slot_mapping is not None else {}
+            store = dict(slot_mapping=slot_mapping, v_store_tile=V_STORE_TILE if prefill else 0,
+                         **self.attn.kv_cache_views()) if slot_mapping is not None else {}
             return qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
                                 self.head_dim, **norm, **store)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
