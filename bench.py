@@ -217,6 +217,28 @@ def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
         llm.step()
 
 
+def profile_prefill(llm: LLM, steps: int = 3):
+    """What each kernel adds to the workload's prefill steps (16,384 prompt tokens each), after one
+    unprofiled prefill step: the GPU's timeline over `steps` steps, as profile_decode prints it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts, params = upstream_workload()
+    llm.reset_prefix_cache()
+    for seq in llm.make_sequences(prompts, params):
+        llm.scheduler.add(seq)
+    llm.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        tokens = sum(llm.step().num_prefill_tokens for _ in range(steps))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    print(f"prefill: {tokens / steps:,.0f} prompt tokens a step, {wall / steps * 1e3:.2f} ms/step wall")
+    print_time_added(prof.events(), steps, top=20)
+    while not llm.is_finished():
+        llm.step()
+
+
 def time_added(kernels: list[tuple[str, float, float]]) -> tuple[float, float, dict[str, float], dict[str, int]]:
     """What each kernel (name, start, end) adds to the GPU's timeline: its end minus the latest end before
     it (0 if it ended earlier), summed by name, with the calls by name; and the time in which the GPU ran
@@ -336,6 +358,8 @@ def main():
                         help="streams sample with every control (top-k/p, min-p, penalties, seed, logprobs)")
     parser.add_argument("--profile", action="store_true",
                         help="profile decode steps at batch 1 and 256 (or at batch --streams) instead of timing (CUDA)")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="profile the workload's prefill steps instead of timing (CUDA)")
     parser.add_argument("--mixed-sampling", action="store_true",
                         help="time the sampler alone at batch 256 and 1, every control vs temperature only (CUDA)")
     args = parser.parse_args()
@@ -356,6 +380,8 @@ def main():
         if args.profile:
             for batch in [args.streams] if args.streams else [1, 256]:
                 profile_decode(llm, batch)
+        elif args.profile_prefill:
+            profile_prefill(llm)
         elif args.single_stream or args.streams:
             bench_streams(llm, args.prompt_len, args.new_tokens, args.streams or 1, args.every_control, args.runs)
         else:
