@@ -14,8 +14,8 @@ loads and pipelining look scalar without them). Without these the SASS misleads.
 may not be the device's (3.6 there), so confirm what matters with a GPU run. Reading the fp8 decode
 kernel this way found V fetched from shared memory byte by byte (128 `LDS.U8` per thread per tile;
 BENCHMARKS.md, seventh session). `--loops` counts what one iteration of each loop issues: the fp8 decode
-kernel's 905 instructions a warp per 128-key tile include 160 register moves that assemble q's MMA operand
-(seventeenth session).
+kernel's 905 instructions a warp per 128-key tile included 160 register moves that assembled q's MMA operand
+(seventeenth session; the kernel now multiplies K q^T instead).
 """
 
 import argparse
@@ -37,12 +37,14 @@ ADDRESSED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0
 BACKWARD = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?BRA\s+(?:`?\(?)(0x[0-9a-f]+)")
 
 
-def compile_for_sm90(config: tuple, num_warps: int, num_stages: int, divisible: tuple[str, ...] = ()):
+def compile_for_sm90(config: tuple, num_warps: int, num_stages: int, divisible: tuple[str, ...] = (),
+                     maxnreg: int | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
 
+    options = dict(num_warps=num_warps, num_stages=num_stages) | ({"maxnreg": maxnreg} if maxnreg else {})
     return triton.compile(kernel_source(*config, aligned=True, divisible=divisible), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=options)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:
@@ -66,6 +68,8 @@ def main():
                         "comma-separated (e.g. K,k_per_split for the skinny GEMM): without them its loads look scalar")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override a constexpr of the configuration (a Python literal), e.g. --set BLOCK_N=64")
+    parser.add_argument("--maxnreg", type=int, help="registers a thread may use, as a launch's maxnreg (the fp8 "
+                        "decode kernel launches with triton_decode.FP8_MAX_REGISTERS)")
     parser.add_argument("--loops", action="store_true",
                         help="also histogram the instructions of each loop body (a backward branch's range)")
     args = parser.parse_args()
@@ -79,7 +83,7 @@ def main():
         name, value = assignment.split("=", 1)
         constexprs = {**constexprs, name: ast.literal_eval(value)}
     compiled = compile_for_sm90((module, kernel, pointers, floats, constexprs), args.num_warps, args.num_stages,
-                                divisible)
+                                divisible, args.maxnreg)
     sass = cuobjdump(compiled.asm["cubin"], "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

@@ -55,9 +55,9 @@ def configurations():
     return {
         "decode bf16": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
-                       merge(DECODE, fp16, FP8_V, {"BLOCK_N": 128, "NUM_SPLITS": 1})),
+                       merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "NUM_SPLITS": 1})),
         "decode fp8, prefetch": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
-                                 merge(DECODE, fp16, FP8_V, {"BLOCK_N": 128, "PREFETCH": True})),
+                                 merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "PREFETCH": True})),
         "decode bf16, prefetch": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"],
                                   {**DECODE, **fp16, "PREFETCH": True, "NUM_SPLITS": 16, "LAST_SPLIT_MERGES": False}),
         "decode reduce": (decode, "_decode_reduce_kernel", {"out_ptr": "*bf16"}, [],

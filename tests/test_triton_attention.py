@@ -254,6 +254,8 @@ def test_varlen_prefill(h, kvh, d, seq_lens, config):
         (16, 4, 4, 32, [1, 15, 16, 17, 33], 1, 64),  # MHA, around block boundaries, tiles span pages
         (32, 8, 2, 16, [1, 31, 32, 33, 0, 300], 4, 16),  # GQA 4, split-K, a padding row, 2 tiles per page
         (16, 16, 8, 16, [40, 7], None, None),  # Qwen3-0.6B head layout
+        (16, 6, 2, 32, [40, 7, 129], 4, 32),  # GQA 3: the 8 query columns of the keys-major step, 5 masked
+        (16, 16, 1, 32, [50, 3], 1, 32),  # GQA 16: 16 query columns
     ],
 )
 def test_decode_fp8(block_size, h, kvh, d, context_lens, num_splits, block_n):

@@ -40,7 +40,7 @@ def _store_heads(x1, x2, cache_ptr, scale_ptr, slot, first_head, HEADS: tl.const
     tl.store(cache_ptr + base + (half + D // 2) * step, x2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compilation for every prefill size
 def _store_v_fp8_tiles_kernel(qkv_ptr, stride_qkv, slot_mapping_ptr, v_cache_ptr, v_scale_ptr, num_tokens,
                               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
                               PAGE: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):

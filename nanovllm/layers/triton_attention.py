@@ -105,7 +105,8 @@ def softmax_step(q, q_scale, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, ma
     sum is acc * acc_unit (a scalar, 1 but with an fp8 q).
 
     With FP8, k and v are fp8 with scales k_scale, v_scale [N] (0 past the context), and q either
-    - in FP8_COMPUTE (q_scale None: decode): k and v are converted to it; or
+    - in FP8_COMPUTE (q_scale None: prefill's tiles of fewer than 64 rows; decode transposes this step,
+      triton_decode._keys_major_step): k and v are converted to it; or
     - fp8 itself with row scales q_scale [M] (quantize_rows: prefill). q k^T is then an fp8 MMA of
       the tiles as loaded; only v is converted.
     """

@@ -58,6 +58,29 @@ def _prefetch_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, start, e
 
 
 @triton.jit
+def _keys_major_step(q, k, v, k_scale, v_scale, m_i, l_i, acc_t, key_mask, sm_scale_log2,
+                     DOT_PRECISION: tl.constexpr, FP8_COMPUTE: tl.constexpr):
+    """softmax_step for the fp8 decode kernel, transposed: the logits are K q^T [BLOCK_N, G_PAD] and the
+    output accumulates as acc_t = sum_j v_j p_j^T [D, G_PAD]. The MMA's 16-row side then holds keys and
+    head_dim, and its 8-wide side the G query heads (G_PAD >= 8), where q [G_PAD, D] as the 16-row side
+    would pad G = 2 heads to 16 rows: the softmax touches half the elements, and q is a B operand kept in
+    registers instead of an A operand rebuilt from shared memory each tile (160 register moves a warp).
+    The kernel issues 663 instructions a warp per 128-key tile, not 905 (scripts/kernel_sass.py --loops).
+    k, v [BLOCK_N, D] fp8 with scales [BLOCK_N] (0 past the context); key_mask [BLOCK_N]; m_i, l_i [G_PAD]."""
+    logits = tl.dot(k.to(FP8_COMPUTE), tl.trans(q), input_precision=DOT_PRECISION) * k_scale[:, None]
+    logits = tl.where(key_mask[:, None], logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, 0) * sm_scale_log2)
+    p = tl.exp2(logits * sm_scale_log2 - m_new[None, :])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    # As softmax_step: the weights scaled by each key's V scale over the tile's largest, kept in [0, 1]
+    v_max = tl.max(v_scale, 0)
+    p = (p * (v_scale / v_max)[:, None]).to(FP8_COMPUTE)
+    acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v.to(FP8_COMPUTE)), p, input_precision=DOT_PRECISION) * v_max
+    return m_new, l_i, acc_t
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, order_ptr, out_ptr, acc_ptr,
     m_ptr, l_ptr, split_counts_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt,
@@ -114,6 +137,7 @@ def _decode_kernel(
     m_i = tl.full([G_PAD], NEG_INF, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
+    acc_t = tl.zeros([D, G_PAD], tl.float32)  # fp8: acc transposed (_keys_major_step)
     acc_unit = 1.0
     # One pipelined loop, the last (partial) tile included: run apart, unpipelined, an fp8 partial tile
     # made the kernel 1.2x slower over ragged contexts (BENCHMARKS.md, eighth session).
@@ -121,9 +145,15 @@ def _decode_kernel(
         k, v, k_scale, v_scale = load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table, s, end, kv_head,
                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                           stride_sb, stride_sh, D, PAGE, BLOCK_N, FP8, True)
-        kv_mask = (s + tl.arange(0, BLOCK_N) < end)[None, :]
-        m_i, l_i, acc, acc_unit = softmax_step(q, None, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, kv_mask,
-                                                sm_scale_log2, DOT_PRECISION, FP8, FP8_COMPUTE)
+        key_mask = s + tl.arange(0, BLOCK_N) < end
+        if FP8:
+            m_i, l_i, acc_t = _keys_major_step(q, k, v, k_scale, v_scale, m_i, l_i, acc_t, key_mask, sm_scale_log2,
+                                               DOT_PRECISION, FP8_COMPUTE)
+        else:
+            m_i, l_i, acc, acc_unit = softmax_step(q, None, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit,
+                                                    key_mask[None, :], sm_scale_log2, DOT_PRECISION, FP8, FP8_COMPUTE)
+    if FP8:
+        acc = tl.trans(acc_t)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 -> zeros
@@ -205,6 +235,11 @@ def _merge_heads(group: int, num_splits: int) -> int:
     return heads
 
 
+# Registers a thread of the fp8 decode kernel may use. It takes 136 on its own (sm_90, Triton 3.6), which leaves
+# room for three 4-warp programs an SM; at 128, four, with no spill and 663 instructions a tile instead of 635.
+FP8_MAX_REGISTERS = 128
+
+
 def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
     """Default (block_n, num_warps, num_stages) of the decode kernel.
 
@@ -275,11 +310,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         q, k_cache, v_cache, *scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens,
         context_lens if order is None else order, out, part_acc, part_max, part_sum, split_counts, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
-        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
+        G=G, G_PAD=max(8 if fp8 else 16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=fp8_compute_dtype(q),
         ORDERED=order is not None, PDL=pdl,
         PREFETCH=num_splits >= PREFETCH_MIN_SPLITS, LAST_SPLIT_MERGES=last_split_merges,
         MERGE_HEADS=_merge_heads(G, num_splits), num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        **({"maxnreg": FP8_MAX_REGISTERS} if fp8 else {}),
     )
     if num_splits > 1 and not last_split_merges:
         _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
