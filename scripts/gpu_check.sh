@@ -2,7 +2,7 @@
 # One device call: the GPU tests, then benchmarks, logs under $OUT. From the repo root on the H200:
 #   python3 -m pip install -q --no-deps --no-index .device/*.whl && bash scripts/gpu_check.sh
 # TESTS: ';'-separated pytest argument sets ("" skips the tests). BENCHES: ';'-separated bench.py
-# argument sets; an entry starting with scripts/ runs that script instead. BASELINE names a directory
+# argument sets ("" skips them); an entry starting with scripts/ runs that script instead. BASELINE names a directory
 # holding another checkout (e.g. `git archive <commit>` unpacked under the ignored .device/): the
 # benches also listed in BASELINE_BENCHES (default: all) run there too, right after ours, for a
 # same-run baseline. Every item runs under `timeout $STEP_TIMEOUT` (tests: $TEST_TIMEOUT) and logs as it goes.
@@ -25,7 +25,7 @@ bench() {  # bench <label> <dir> <args>
   if [[ "$3" == scripts/* ]]; then command="$3"; fi
   (cd "$2" && PYTHONPATH=. timeout "$STEP_TIMEOUT" python3 $command 2>&1) | grep -vE "$FILTER" | tee -a "$OUT/bench.txt"
 }
-IFS=';' read -ra benches <<< "${BENCHES:- ;--single-stream;--attention-backend triton;--kv-cache-dtype fp8;--profile}"
+IFS=';' read -ra benches <<< "${BENCHES- ;--single-stream;--attention-backend triton;--kv-cache-dtype fp8;--profile}"
 IFS=';' read -ra baseline_benches <<< "${BASELINE_BENCHES:-${BENCHES:-}}"
 for args in "${benches[@]}"; do
   bench ours . "$args"
