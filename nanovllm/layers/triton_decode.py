@@ -247,7 +247,8 @@ def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
     every large shape, before and after V went token-contiguous and the grid went (KVH, B). Last sweep
     (BENCHMARKS.md, twelfth session, call 7): B=256 ctx=1024 3.73 TB/s (88% of copy bandwidth; 128/4/4
     3.72, 128/4/3 3.71), B=256 ctx 100-1124 3.08, B=32 ctx=2048 2.65 at 2 splits, B=8 ctx=4096 1.94 at 8
-    splits. The bf16 cache keeps 64/4/3.
+    splits. Those sweeps ran the fp8 kernel before its keys-major step (seventeenth session), which was
+    measured at this tile only: 3.84 TB/s at B=256 ctx=1024 (91% of copy). The bf16 cache keeps 64/4/3.
     """
     if fp8:  # a tile may span pages (then each token looks up its block id)
         return 128, 4, 2
