@@ -2,8 +2,8 @@
 # One device call: the GPU tests, then benchmarks, logs under $OUT. From the repo root on the H200:
 #   python3 -m pip install -q --no-deps --no-index .device/*.whl && bash scripts/gpu_check.sh
 # TESTS: ';'-separated pytest argument sets ("" skips the tests). BENCHES: ';'-separated bench.py
-# argument sets ("" skips them); an entry starting with scripts/ runs that script instead. BASELINE names a directory
-# holding another checkout (e.g. `git archive <commit>` unpacked under the ignored .device/): the
+# argument sets ("" skips them); an entry starting with scripts/ runs that script instead. BASELINE
+# names a directory holding another checkout (e.g. `git archive <commit>` unpacked under the ignored .device/): the
 # benches also listed in BASELINE_BENCHES (default: all) run there too, right after ours, for a
 # same-run baseline. Every item runs under `timeout $STEP_TIMEOUT` (tests: $TEST_TIMEOUT) and logs as it goes.
 # (The CPU suite, marked cpu_suite, skips itself where CUDA is visible: see tests/conftest.py.)
