@@ -319,15 +319,29 @@ def sweep_dequant(cache):
         emit(f"{name:>12} varlen: " + "  ".join(f"{k}:{v:.1f}" for k, v in sorted(times.items(), key=lambda x: x[1])))
 
 
-def sweep(cache, copy_bw, kernels: str, tiles=None):
+# (batch, context, longest context or None) of the decode sweep; --decode-shapes replaces them.
+DECODE_SWEEP_SHAPES = ((256, 100, 1124), (256, 1024, None), (64, 500, 1524), (32, 2048, None), (8, 1000, 2024),
+                       (8, 4096, None), (1, 4096, None))
+
+
+def parse_decode_shapes(text: str) -> list[tuple[int, int, int | None]]:
+    """"B:ctx" or "B:ctx-longest", comma-separated, as DECODE_SWEEP_SHAPES."""
+    shapes = []
+    for shape in text.split(","):
+        batch, contexts = shape.split(":")
+        ctx, _, longest = contexts.partition("-")
+        shapes.append((int(batch), int(ctx), int(longest) if longest else None))
+    return shapes
+
+
+def sweep(cache, copy_bw, kernels: str, tiles=None, decode_shapes=DECODE_SWEEP_SHAPES):
     """Launch configs of kernels "decode", "prefill", "dequant" (the fp8-prefix path) or "all"; the decode
-    tiles swept are `tiles` if given (see decode_tiles)."""
+    tiles swept are `tiles` if given (see decode_tiles), at decode_shapes."""
     if kernels == "dequant":
         return sweep_dequant(cache)
     if kernels != "prefill":
         emit("== decode sweep: TB/s (median); config = block_n/num_warps/num_stages,num_splits")
-        for batch, ctx, longest in ((256, 100, 1124), (256, 1024, None), (64, 500, 1524), (32, 2048, None),
-                                    (8, 1000, 2024), (8, 4096, None), (1, 4096, None)):
+        for batch, ctx, longest in decode_shapes:
             sweep_decode_shape(cache, batch, ctx, copy_bw, longest, tiles)
     if kernels == "decode":
         return
@@ -347,6 +361,8 @@ def main():
                         help="the cache the Triton kernels read: bf16 (auto) or fp8 + per-token scales")
     parser.add_argument("--only", choices=["decode", "prefill"], help="run one kernel's table only")
     parser.add_argument("--tiles", help="decode tiles to sweep, block_n/num_warps/num_stages,... (e.g. 32/1/2,64/4/2)")
+    parser.add_argument("--decode-shapes", type=parse_decode_shapes, default=DECODE_SWEEP_SHAPES,
+                        help="shapes of the decode sweep, batch:context[-longest],... (e.g. 8:1000-2024,1:4096)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
@@ -361,7 +377,7 @@ def main():
     if args.only != "decode":
         run_prefill(cache)
     if args.sweep:
-        sweep(cache, copy_bw, args.sweep, args.tiles)
+        sweep(cache, copy_bw, args.sweep, args.tiles, args.decode_shapes)
     emit(f"total {time.time() - start:.0f} s")
     save_report("bench_attention.txt")
 
