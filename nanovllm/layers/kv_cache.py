@@ -46,6 +46,13 @@ def store_fp8_scale(amax, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, PAG
 
 
 @triton.jit
+def fp8_v_offset(slot, head, d, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+    """Where element d of kv head `head` of cache slot `slot` lies in an fp8 V cache [num_blocks,
+    NUM_KV_HEADS, D, PAGE] (tokens contiguous: a token's elements are PAGE apart)."""
+    return ((slot // PAGE) * NUM_KV_HEADS + head) * (D * PAGE) + d * PAGE + slot % PAGE
+
+
+@triton.jit
 def to_fp8(x):
     """x (float32, |x| <= 448 where it is a number) in fp8, NaN written as 0: the cache holds no NaN."""
     return tl.where(x == x, x, 0.0).to(tl.float8e4nv)
@@ -77,8 +84,7 @@ def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_
     if FP8:
         key = _quantize_fp8(key, k_scale_ptr, slot, D, BLOCK_D, HEAD_DIM, PAGE)
         value = _quantize_fp8(value, v_scale_ptr, slot, D, BLOCK_D, HEAD_DIM, PAGE)
-        # [num_blocks, kv_heads, head_dim, PAGE]: element `offsets` (head * HEAD_DIM + d) is PAGE apart
-        value_offsets = (slot // PAGE) * (D * PAGE) + offsets * PAGE + slot % PAGE
+        value_offsets = fp8_v_offset(slot, offsets // HEAD_DIM, offsets % HEAD_DIM, D // HEAD_DIM, HEAD_DIM, PAGE)
     else:
         value_offsets = slot * D + offsets
     tl.store(k_cache_ptr + slot * D + offsets, key, mask=mask)

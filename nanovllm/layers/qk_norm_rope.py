@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.kv_cache import check_kv_cache, store_fp8_scale, to_fp8
+from nanovllm.layers.kv_cache import check_kv_cache, fp8_v_offset, store_fp8_scale, to_fp8
 from nanovllm.layers.layernorm import weighted_as_torch
 from nanovllm.layers.skinny_gemm import SplitKSum, load_split_sum, split_operand
 from nanovllm.utils.device import pdl_enabled
@@ -32,12 +32,14 @@ def _store_heads(x1, x2, cache_ptr, scale_ptr, slot, first_head, HEADS: tl.const
         scale = store_fp8_scale(amax, scale_ptr, slot, heads, NUM_KV_HEADS, PAGE)[:, None]
         x1, x2 = to_fp8(x1 / scale), to_fp8(x2 / scale)
     heads = heads[:, None]
-    if FP8 and IS_V:  # [num_blocks, kv_heads, D, PAGE]: a head's elements are PAGE apart
-        base, step = ((slot // PAGE) * NUM_KV_HEADS + heads) * (D * PAGE) + slot % PAGE, PAGE
+    if FP8 and IS_V:
+        first, second = (fp8_v_offset(slot, heads, half, NUM_KV_HEADS, D, PAGE),
+                         fp8_v_offset(slot, heads, half + D // 2, NUM_KV_HEADS, D, PAGE))
     else:
-        base, step = (slot * NUM_KV_HEADS + heads) * D, 1
-    tl.store(cache_ptr + base + half * step, x1)
-    tl.store(cache_ptr + base + (half + D // 2) * step, x2)
+        first = (slot * NUM_KV_HEADS + heads) * D + half
+        second = first + D // 2
+    tl.store(cache_ptr + first, x1)
+    tl.store(cache_ptr + second, x2)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one compilation for every prefill size
@@ -59,10 +61,10 @@ def _store_v_fp8_tiles_kernel(qkv_ptr, stride_qkv, slot_mapping_ptr, v_cache_ptr
     v = tl.load(qkv_ptr + tokens.to(tl.int64)[:, None] * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + head) * D + d,
                 mask=present[:, None], other=0.0).to(tl.float32)  # [TILE, D]
     scale = store_fp8_scale(tl.max(tl.abs(v), 1), v_scale_ptr, slot, head, NUM_KV_HEADS, PAGE, stored)
-    # [num_blocks, kv_heads, D, PAGE]: a token's elements PAGE apart, a dim's consecutive slots adjacent. Triton
-    # gives the store's lanes the tokens (axis 0), so a warp writes 32 consecutive slots of one dim.
-    base = ((slot // PAGE) * NUM_KV_HEADS + head) * (D * PAGE) + slot % PAGE
-    tl.store(v_cache_ptr + base[:, None] + d[None, :] * PAGE, to_fp8(v / scale[:, None]), mask=stored[:, None])
+    # A token's elements PAGE apart, a dim's consecutive slots adjacent. Triton gives the store's lanes the
+    # tokens (axis 0), so a warp writes 32 consecutive slots of one dim.
+    tl.store(v_cache_ptr + fp8_v_offset(slot[:, None], head, d[None, :], NUM_KV_HEADS, D, PAGE),
+             to_fp8(v / scale[:, None]), mask=stored[:, None])
 
 
 @triton.jit
