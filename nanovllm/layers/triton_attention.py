@@ -96,6 +96,22 @@ def load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, start, limi
 
 
 @triton.jit
+def v_scaled_weights(p, v_scale, KEYS_AXIS: tl.constexpr, FP8_COMPUTE: tl.constexpr):
+    """The softmax weights p (keys along KEYS_AXIS) of an fp8 V tile with scales v_scale [keys], as the
+    P V product takes them: (p_j s_j / s_max in FP8_COMPUTE, s_max), since sum_j p_j (s_j v_j) =
+    s_max sum_j (p_j s_j / s_max) v_j. Dividing by the tile's largest scale keeps the fp16 weights in
+    [0, 1] (tiny scales would otherwise underflow fp16). s_max > 0: every tile holds a token of the
+    context."""
+    v_max = tl.max(v_scale, 0)
+    ratio = v_scale / v_max
+    if KEYS_AXIS == 0:
+        p = p * ratio[:, None]
+    else:
+        p = p * ratio[None, :]
+    return p.to(FP8_COMPUTE), v_max
+
+
+@triton.jit
 def softmax_step(q, q_scale, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, mask, sm_scale_log2,
                   DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr):
     """One online-softmax update of (m_i [M], l_i [M], acc [M, D], acc_unit) with a key/value tile.
@@ -134,11 +150,7 @@ def softmax_step(q, q_scale, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit, ma
     if not FP8:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     else:
-        # sum_j p_j (s_j v_j) = s_max sum_j (p_j s_j / s_max) v_j: dividing by the tile's largest scale
-        # keeps the fp16 weights in [0, 1] (tiny scales would otherwise underflow fp16). s_max > 0:
-        # every tile holds a token of the context.
-        v_max = tl.max(v_scale, 0)
-        p = (p * (v_scale / v_max)[None, :]).to(FP8_COMPUTE)
+        p, v_max = v_scaled_weights(p, v_scale, 1, FP8_COMPUTE)
         if q_scale is None:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION) * v_max
         else:  # acc in units of s_max, so that the MMA accumulates in place: a separate product takes

@@ -16,6 +16,7 @@ from nanovllm.layers.triton_attention import (
     scale_ptrs,
     softmax_step,
     tile_blocks,
+    v_scaled_weights,
 )
 from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
 
@@ -73,9 +74,7 @@ def _keys_major_step(q, k, v, k_scale, v_scale, m_i, l_i, acc_t, key_mask, sm_sc
     p = tl.exp2(logits * sm_scale_log2 - m_new[None, :])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 0)
-    # As softmax_step: the weights scaled by each key's V scale over the tile's largest, kept in [0, 1]
-    v_max = tl.max(v_scale, 0)
-    p = (p * (v_scale / v_max)[:, None]).to(FP8_COMPUTE)
+    p, v_max = v_scaled_weights(p, v_scale, 0, FP8_COMPUTE)
     acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v.to(FP8_COMPUTE)), p, input_precision=DOT_PRECISION) * v_max
     return m_new, l_i, acc_t
 
