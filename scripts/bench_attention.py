@@ -5,6 +5,7 @@ flash-attn when it is importable.
     python scripts/bench_attention.py --sweep    # also sweep decode/prefill launch configs
     python scripts/bench_attention.py --sweep decode   # ...decode's only (or prefill's)
     python scripts/bench_attention.py --only decode --sweep decode --tiles 32/1/2,64/4/2   # chosen decode tiles
+    ... --sweep decode --decode-shapes 8:1000-2024,1:4096   # the decode sweep at chosen batch:context[-longest]
     python scripts/bench_attention.py --kv-cache-dtype fp8 --sweep dequant   # the fp8-prefix path's kernels
     python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
     python scripts/bench_attention.py --only prefill [--sweep prefill]   # no decode grid (or: --only decode)
