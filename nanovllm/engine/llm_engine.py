@@ -1,8 +1,6 @@
 """LLMEngine: tokenizes and validates requests, drives Scheduler and ModelRunner step by step."""
 
 import atexit
-import json
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -15,6 +13,7 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner, PendingOutput, free_port, run_worker
+from nanovllm.engine.requests import as_batch, check_request, eos_token_ids, request_output
 from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerDiedError
@@ -136,37 +135,10 @@ class LLMEngine:
         """Validate a whole batch and turn it into sequences; raises before anything is queued.
         Sequences with stop strings, or all of them when `detokenize`, decode their text as it grows."""
         self._check_alive()
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str, a list of str, or a list of token-id lists, got "
-                            f"{type(prompts).__name__}")
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        elif not isinstance(sampling_params, (list, tuple)):
-            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
-                            f"{type(sampling_params).__name__}")
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        kinds = {type(p) for p in prompts}
-        if not (kinds <= {str} or kinds <= {list, tuple}):
-            raise TypeError(f"prompts must be all str or all token-id lists, got a mix of "
-                            f"{sorted(k.__name__ for k in kinds)}")
+        prompts, sampling_params = as_batch(prompts, sampling_params)
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        vocab_size = self.config.hf_config.vocab_size
         for i, (tokens, sp) in enumerate(zip(token_lists, sampling_params)):
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling_params[{i}] is a {type(sp).__name__}, not SamplingParams")
-            if not tokens:
-                raise ValueError(f"prompt {i} is empty")
-            bad = next((t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size),
-                       None)
-            if bad is not None:
-                raise ValueError(f"prompt {i} has token id {bad!r} outside the vocabulary [0, {vocab_size})")
-            bad = next((t for t in sp.stop_token_ids if t >= vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"sampling_params[{i}].stop_token_ids has {bad} outside the vocabulary "
-                                 f"[0, {vocab_size})")
+            check_request(i, tokens, sp, self.config.hf_config.vocab_size)
             try:
                 self.scheduler.check_fits(len(tokens), sp.max_tokens)
             except ValueError as e:
@@ -278,42 +250,8 @@ class LLMEngine:
                 decode_rate = result.num_decode_tokens / elapsed
             pbar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s", refresh=False)
             for seq in result.finished:
-                outputs[seq.seq_id] = self.output_of(seq)
+                outputs[seq.seq_id] = request_output(seq, self.tokenizer)
                 if seq.seq_id in wanted:
                     pbar.update(1)
         pbar.close()
         return [outputs[seq.seq_id] for seq in seqs]
-
-    def output_of(self, seq: Sequence) -> dict:
-        tokens = seq.completion_token_ids
-        params = seq.sampling_params
-        if seq.detokenizer is not None:
-            text = seq.detokenizer.text
-        else:  # as vLLM, without the text of the EOS or stop id that ended the sequence
-            shown = tokens[:-1] if seq.finish_reason == "stop" and not params.include_stop_str_in_output else tokens
-            text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
-        output = {"text": text, "token_ids": tokens, "finish_reason": seq.finish_reason,
-                  "stop_reason": seq.stop_reason}
-        if params.logprobs is not None:
-            output["logprobs"] = seq.logprobs
-            output["cumulative_logprob"] = seq.cumulative_logprob
-        return output
-
-
-def eos_token_ids(tokenizer, config: Config) -> set[int]:
-    """EOS ids from the tokenizer, config.json and generation_config.json, whichever define them."""
-    ids = set()
-
-    def add(value):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-
-    add(tokenizer.eos_token_id)
-    add(getattr(config.hf_config, "eos_token_id", None))
-    path = os.path.join(config.model, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            add(json.load(f).get("eos_token_id"))
-    return ids
