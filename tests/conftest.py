@@ -63,6 +63,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def seeded_global_rngs():
+    """Each test starts from torch's (CPU and CUDA), numpy's and random's global generators seeded alike,
+    so that a failure on a rare draw reproduces, alone or in the suite, on the CPU or the GPU."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Tiny random Qwen3 (tied embeddings) written by transformers, float32."""
