@@ -6,6 +6,7 @@ flash-attn when it is importable.
     python scripts/bench_attention.py --sweep decode   # ...decode's only (or prefill's)
     python scripts/bench_attention.py --only decode --sweep decode --tiles 32/1/2,64/4/2   # chosen decode tiles
     ... --sweep decode --decode-shapes 8:1000-2024,1:4096   # the decode sweep at chosen batch:context[-longest]
+    ... --sweep decode --decode-shapes 64:100-2048 --longest-first   # ragged rows sorted as the engine takes them
     python scripts/bench_attention.py --kv-cache-dtype fp8 --sweep dequant   # the fp8-prefix path's kernels
     python scripts/bench_attention.py --kv-cache-dtype fp8   # the Triton kernels on an fp8 cache
     python scripts/bench_attention.py --only prefill [--sweep prefill]   # no decode grid (or: --only decode)
@@ -253,10 +254,10 @@ PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64,
                    (32, 64, 4, 3), (32, 32, 4, 4)]
 
 
-def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None, tiles=None):
+def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None, tiles=None, longest_first=False):
     """(block_n, num_warps, num_stages) at the default split count, then split counts with the best.
-    Contexts all ctx long, or uniform in [ctx, longest]."""
-    q, tables, lens = decode_inputs(cache, batch, ctx, longest)
+    Contexts all ctx long, or uniform in [ctx, longest] (sorted descending if longest_first)."""
+    q, tables, lens = decode_inputs(cache, batch, ctx, longest, longest_first)
     default = triton_decode._decode_num_splits(batch, KVH, tables.shape[1] * PAGE, q.device)
 
     def tbps(bn, w, s, splits):
@@ -279,7 +280,7 @@ def sweep_decode_shape(cache, batch, ctx, copy_bw, longest=None, tiles=None):
     base = results[(*tile, default)]
     if isinstance(base, float):
         base = f"{base:.2f} TB/s = {100 * base * 1e12 / copy_bw:.0f}% of copy"
-    contexts = ctx if longest is None else f"{ctx}-{longest}"
+    contexts = ctx if longest is None else f"{ctx}-{longest}" + (" longest first" if longest_first else "")
     emit(f"B={batch} ctx={contexts}: default splits {default}, default tile {'/'.join(map(str, tile))}: {base}")
     emit("   top: " + "  ".join(f"{bn}/{w}/{s},{sp}:{v:.2f}" for v, (bn, w, s, sp) in ranked[:8]))
     emit(f"   splits with tile {'/'.join(map(str, best))}: " + "  ".join(
@@ -335,15 +336,16 @@ def parse_decode_shapes(text: str) -> list[tuple[int, int, int | None]]:
     return shapes
 
 
-def sweep(cache, copy_bw, kernels: str, tiles=None, decode_shapes=DECODE_SWEEP_SHAPES):
+def sweep(cache, copy_bw, kernels: str, tiles=None, decode_shapes=DECODE_SWEEP_SHAPES, longest_first=False):
     """Launch configs of kernels "decode", "prefill", "dequant" (the fp8-prefix path) or "all"; the decode
-    tiles swept are `tiles` if given (see decode_tiles), at decode_shapes."""
+    tiles swept are `tiles` if given (see decode_tiles), at decode_shapes (ragged rows sorted longest first
+    if longest_first, as the engine orders them)."""
     if kernels == "dequant":
         return sweep_dequant(cache)
     if kernels != "prefill":
         emit("== decode sweep: TB/s (median); config = block_n/num_warps/num_stages,num_splits")
         for batch, ctx, longest in decode_shapes:
-            sweep_decode_shape(cache, batch, ctx, copy_bw, longest, tiles)
+            sweep_decode_shape(cache, batch, ctx, copy_bw, longest, tiles, longest_first)
     if kernels == "decode":
         return
     for block_m, block_n, warps, stages in PREFILL_CONFIGS:
@@ -364,6 +366,8 @@ def main():
     parser.add_argument("--tiles", help="decode tiles to sweep, block_n/num_warps/num_stages,... (e.g. 32/1/2,64/4/2)")
     parser.add_argument("--decode-shapes", type=parse_decode_shapes, default=DECODE_SWEEP_SHAPES,
                         help="shapes of the decode sweep, batch:context[-longest],... (e.g. 8:1000-2024,1:4096)")
+    parser.add_argument("--longest-first", action="store_true",
+                        help="the decode sweep's ragged rows sorted longest first (the engine's order)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
@@ -378,7 +382,7 @@ def main():
     if args.only != "decode":
         run_prefill(cache)
     if args.sweep:
-        sweep(cache, copy_bw, args.sweep, args.tiles, args.decode_shapes)
+        sweep(cache, copy_bw, args.sweep, args.tiles, args.decode_shapes, args.longest_first)
     emit(f"total {time.time() - start:.0f} s")
     save_report("bench_attention.txt")
 
