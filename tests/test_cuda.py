@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.attention import Attention
 from nanovllm.utils.tiny_model import write_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -19,6 +20,16 @@ def tiny_bf16(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny-bf16"))
     write_tiny_qwen3(path, dtype="bfloat16", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=128, intermediate_size=512)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_split_k(tmp_path_factory) -> str:
+    """tiny_bf16 with hidden_size 512: the decode projections split K, so the Triton backend decodes from
+    the qkv projection's partials (Attention.decode_from_qkv)."""
+    path = str(tmp_path_factory.mktemp("tiny-bf16-split-k"))
+    write_tiny_qwen3(path, dtype="bfloat16", hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=128, intermediate_size=1024)
     return path
 
 
@@ -42,6 +53,18 @@ def test_triton_backend_equals_flash_attn(tiny_bf16, prompts):
     pytest.importorskip("flash_attn")
     assert _generate(tiny_bf16, prompts, attention_backend="triton") == _generate(
         tiny_bf16, prompts, attention_backend="flash_attn")
+
+
+def test_decode_from_qkv_equals_flash_attn(tiny_bf16_split_k, prompts, monkeypatch):
+    """The decode kernel computing q and storing the new K/V itself (eager and in CUDA graphs) generates what
+    flash-attn after the q/k norm + RoPE kernel does."""
+    pytest.importorskip("flash_attn")
+    calls, decode_from_qkv = [], Attention.decode_from_qkv
+    monkeypatch.setattr(Attention, "decode_from_qkv", lambda *args: calls.append(1) or decode_from_qkv(*args))
+    eager = _generate(tiny_bf16_split_k, prompts, enforce_eager=True, attention_backend="triton")
+    assert calls, "the Triton decode did not take decode_from_qkv"
+    assert eager == _generate(tiny_bf16_split_k, prompts, attention_backend="flash_attn")
+    assert _generate(tiny_bf16_split_k, prompts, attention_backend="triton", max_num_seqs=20) == eager
 
 
 def test_bf16_logits_and_first_tokens_agree_with_transformers(tiny_bf16, prompts):

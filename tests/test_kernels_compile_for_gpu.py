@@ -19,10 +19,13 @@ BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr
                   "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "order_ptr": "*i32",
                   "split_counts_ptr": "*i32"}
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
+# The decode kernel's from_qkv arguments (qk_norm_rope.NormRopeInputs): the qkv projection's split-K partials.
+FROM_QKV = {"qkv_ptr": "*fp32", "positions_ptr": "*i64", "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16",
+            "slot_mapping_ptr": "*i64"}
 # stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
 DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False,
               ORDERED=True, PDL=True, PREFETCH=False, LAST_SPLIT_MERGES=True, MERGE_HEADS=2,
-              stride_vd=1)
+              FROM_QKV=False, QKV_SPLITS=0, HAS_NORM=False, NUM_KV_HEADS=8, stride_vd=1)
 PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, PAGED=True,
                stride_vd=1)
 VARLEN = dict(PAGE=0, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages
@@ -56,6 +59,11 @@ def configurations():
         "decode bf16": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                        merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "NUM_SPLITS": 1})),
+        "decode fp8, from qkv": (decode, "_decode_kernel", {**FP8_ATTENTION, **FROM_QKV}, ["sm_scale_log2", "eps"],
+                                 merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "FROM_QKV": True,
+                                                             "QKV_SPLITS": 4, "HAS_NORM": True})),
+        "decode bf16, from qkv": (decode, "_decode_kernel", {**BF16_ATTENTION, **FROM_QKV}, ["sm_scale_log2", "eps"],
+                                  {**DECODE, **fp16, "FROM_QKV": True, "QKV_SPLITS": 4, "HAS_NORM": True}),
         "decode fp8, prefetch": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                                  merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "PREFETCH": True})),
         "decode bf16, prefetch": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"],
@@ -110,6 +118,8 @@ def configurations():
         "silu and mul": ("nanovllm.layers.activation", "_silu_and_mul_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16"},
                          [], dict(BLOCK=1024, PDL=True)),
         "q/k norm + rope": (qk_norm_rope, "_qk_norm_rope_kernel", QK_NORM_ROPE, ["eps"], QK_NORM_ROPE_CONSTEXPRS),
+        "q/k rope only": (qk_norm_rope, "_qk_norm_rope_kernel", QK_NORM_ROPE, ["eps"],  # no norm weights: None
+                          {**QK_NORM_ROPE_CONSTEXPRS, "HAS_NORM": False, "q_weight_ptr": None, "k_weight_ptr": None}),
         "q/k norm + rope + store": (qk_norm_rope, "_qk_norm_rope_kernel",
                                     {**QK_NORM_ROPE, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}, ["eps"],
                                     {**QK_NORM_ROPE_CONSTEXPRS, "STORE": True}),

@@ -19,6 +19,9 @@ import pytest  # noqa: E402
 from nanovllm.layers import triton_decode, triton_prefill  # noqa: E402
 from nanovllm.layers.attention import workspace_groups  # noqa: E402
 from nanovllm.layers.kv_cache import quantize_cache_fp8, quantize_fp8, v_token_major  # noqa: E402
+from nanovllm.layers.qk_norm_rope import NormRopeInputs, qk_norm_rope  # noqa: E402
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, default_inv_freq  # noqa: E402
+from nanovllm.layers.skinny_gemm import SplitKSum  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -150,6 +153,62 @@ def test_decode_padding_rows_only():
     for num_splits in (1, 2):
         _, _, out, _ = run_decode([0, 0], 16, 4, 2, 16, num_splits=num_splits)
         assert (out == 0).all()
+
+
+def erased_newest_token(caches: dict, tables, lens) -> torch.Tensor:
+    """The slot of each row's newest token (-1 for a padding row), its K/V in `caches` (one layer's, as
+    qk_norm_rope's keyword arguments) made NaN: what the decode step is to write there."""
+    block_size = caches["k_cache"].shape[1]
+    slots = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+                          for b, n in enumerate(lens.tolist())], dtype=torch.int64, device=DEVICE)
+    written = slots[slots >= 0]
+    blocks, offsets = written // block_size, written % block_size
+    if caches.get("k_scale") is None:
+        caches["k_cache"][blocks, offsets] = caches["v_cache"][blocks, offsets] = float("nan")
+    else:  # fp8: a NaN scale makes the token's K/V NaN
+        caches["k_scale"][blocks, :, offsets] = caches["v_scale"][blocks, :, offsets] = float("nan")
+    return slots
+
+
+@pytest.mark.parametrize("dtype,fp8,splits,num_splits", [(torch.float32, False, 0, 1), (torch.float16, False, 2, 4),
+                                                         (torch.float16, True, 3, 1), (torch.float32, True, 2, 8)])
+def test_decode_from_qkv(dtype, fp8, splits, num_splits):
+    """Given the qkv projection (or its split-K partials) instead of q, the decode kernel returns what
+    qk_norm_rope then the decode kernel return, and stores the newest token's K/V as qk_norm_rope stores them
+    (the caches held NaN there). Exactly on CPU; on the GPU the two compile differently (from_qkv without FMA
+    contraction, a head's sum of squares reduced in another order), so to a few ulps, and the caches as
+    values (an fp8 byte may round the other way)."""
+    h, kvh, d, block_size, lens = 4, 2, 32, 16, [1, 40, 0, 129, 33]
+    k_cache, v_cache, tables, ctx = make_cache(lens, block_size, kvh, d, dtype)
+    caches = [dict(k_cache=k_cache.clone(), v_cache=v_cache.clone()) for _ in range(2)]
+    if fp8:
+        caches = []
+        for _ in range(2):
+            k8, v8, scales, _, _ = fp8_cache(k_cache, v_cache)
+            caches.append(dict(k_cache=k8, v_cache=v8, **scales))
+    slots = [erased_newest_token(cache, tables, ctx) for cache in caches][0]
+    gen = torch.Generator().manual_seed(2)
+    parts = torch.randn(max(splits, 1), len(lens), (h + 2 * kvh) * d, generator=gen).to(DEVICE)
+    qkv = SplitKSum(parts, dtype) if splits else parts[0].to(dtype)
+    positions = (ctx.long() - 1).clamp(min=0)
+    cos_sin = RotaryEmbedding(default_inv_freq(d, 1e6), 4096).cos_sin_cache.to(DEVICE)
+    weights = [(2 * torch.rand(d, generator=gen)).to(DEVICE, dtype) for _ in range(2)]
+    order = torch.tensor(sorted(range(len(lens)), key=lambda b: -lens[b]), dtype=torch.int32, device=DEVICE)
+    decode = dict(order=order, num_splits=num_splits)
+    q, _, _ = qk_norm_rope(qkv, positions, cos_sin, h, kvh, d, *weights, 1e-6, slots, **caches[0])
+    expected = triton_decode.paged_decode_attention(q, caches[0]["k_cache"], caches[0]["v_cache"], tables, ctx,
+                                                    d ** -0.5, k_scale=caches[0].get("k_scale"),
+                                                    v_scale=caches[0].get("v_scale"), **decode)
+    from_qkv = NormRopeInputs(qkv, positions, cos_sin, slots, h, *weights, 1e-6)
+    out = triton_decode.paged_decode_attention(None, caches[1]["k_cache"], caches[1]["v_cache"], tables, ctx,
+                                               d ** -0.5, k_scale=caches[1].get("k_scale"),
+                                               v_scale=caches[1].get("v_scale"), from_qkv=from_qkv, **decode)
+    assert torch.isfinite(expected).all()
+    exact = DEVICE == "cpu"
+    torch.testing.assert_close(out, expected, **(dict(rtol=0, atol=0) if exact else dict(rtol=2e-3, atol=2e-3)))
+    for name, cache in caches[1].items():
+        tol = dict(rtol=0, atol=0) if exact else dict(rtol=0.13 if fp8 and "cache" in name else 2e-3, atol=1e-3)
+        torch.testing.assert_close(cache.float(), caches[0][name].float(), equal_nan=True, **tol)
 
 
 def test_decode_num_splits_heuristic():

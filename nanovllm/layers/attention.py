@@ -2,7 +2,8 @@
 and stores: kv_cache.py).
 
 A step first writes its new K/V into the cache (the Attention layer's store, kv_cache.py, or on CUDA the
-model's fused q/k norm + RoPE kernel, qk_norm_rope.py), then attends over the cache (or, for prefill
+model's fused q/k norm + RoPE kernel, qk_norm_rope.py, or in a Triton decode of a few rows the decode kernel,
+from the qkv projection: Attention.decode_from_qkv), then attends over the cache (or, for prefill
 without a cached prefix, over the new K/V; for prefill over an fp8 prefix with enough new tokens, over a
 16-bit copy of the contexts: dequantizing_pays).
 """
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from nanovllm.layers.kv_cache import store_kvcache_torch, store_kvcache_triton, v_token_major
+from nanovllm.layers.qk_norm_rope import NormRopeInputs
+from nanovllm.layers.skinny_gemm import SplitKSum
 
 # Prefill over an fp8 prefix dequantizes it when there are at least this many queries per context token
 # (dequantizing_pays).
@@ -174,6 +177,22 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:
             return {}
         return dict(k_cache=self.k_cache, v_cache=self.v_cache, k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def decodes_from_qkv(self, qkv: torch.Tensor | SplitKSum, meta: AttentionMetadata) -> bool:
+        """Whether decode_from_qkv serves this step: a decode step of the Triton backend whose qkv projection
+        left its split-K partials (at most SKINNY_MAX_ROWS rows, where a kernel fewer a layer pays: BENCHMARKS.md,
+        nineteenth session), once the pool exists."""
+        return (self.attend is triton_attention and not meta.is_prefill and isinstance(qkv, SplitKSum)
+                and meta.slot_mapping is not None and self.k_cache.numel() > 0)
+
+    def decode_from_qkv(self, inputs: NormRopeInputs, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode attention from the qkv projection: the decode kernel computes q as qk_norm_rope would and
+        stores the new K/V itself (triton_decode.paged_decode_attention's from_qkv)."""
+        from nanovllm.layers.triton_decode import paged_decode_attention
+
+        return paged_decode_attention(None, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                      self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
+                                      order=meta.decode_order, from_qkv=inputs)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:

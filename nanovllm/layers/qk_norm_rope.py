@@ -7,7 +7,12 @@ but for the sum of squares, whose reduction order differs (see tests/test_qk_nor
 bounds). The cache gets exactly what the KV store (kv_cache.py) would write of the returned k and of v.
 The qkv projection's split-K partials (a SplitKSum) can be given instead of its output: the kernel sums
 them as it loads, so the projection needs no reduction kernel.
+
+In a decode step of a few rows the decode kernel does this kernel's work itself (decode_q_storing_kv, given a
+NormRopeInputs): one kernel fewer a layer (BENCHMARKS.md, nineteenth session).
 """
+
+import dataclasses
 
 import torch
 import triton
@@ -40,6 +45,53 @@ def _store_heads(x1, x2, cache_ptr, scale_ptr, slot, first_head, HEADS: tl.const
         second = first + D // 2
     tl.store(cache_ptr + first, x1)
     tl.store(cache_ptr + second, x2)
+
+
+@triton.jit
+def normed_rotated(x1, x2, w_ptr, cos_sin_row, eps, HAS_NORM: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr):
+    """Heads given as their halves x1, x2 [rows, D // 2], RMS-normed with the weight at w_ptr (HAS_NORM) and
+    rotated by RoPE's cos_sin_cache row [cos | sin] at cos_sin_row, with the torch ops' roundings (in a kernel
+    launched without FMA contraction): their halves in dtype."""
+    half = tl.arange(0, D // 2)[None, :]
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        # rms_norm: x * rsqrt(mean(x^2) + eps) in float32, rounded to dtype, then weight * x in dtype
+        mean_sq = tl.sum(x1 * x1 + x2 * x2, axis=1)[:, None] / D
+        inv_rms = tl.math.rsqrt(mean_sq + eps)
+        x1 = weighted_as_torch(x1, inv_rms, tl.load(w_ptr + half), dtype).to(dtype).to(tl.float32)
+        x2 = weighted_as_torch(x2, inv_rms, tl.load(w_ptr + D // 2 + half), dtype).to(dtype).to(tl.float32)
+    cos = tl.load(cos_sin_row + half)
+    sin = tl.load(cos_sin_row + D // 2 + half)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
+def decode_q_storing_kv(qkv_ptr, stride_qkv, qkv_split_stride, token, kv_head, cos_sin_row, q_weight_ptr,
+                        k_weight_ptr, eps, store, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                        G: tl.constexpr, G_PAD: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                        D: tl.constexpr, PAGE: tl.constexpr, QKV_SPLITS: tl.constexpr, HAS_NORM: tl.constexpr,
+                        FP8: tl.constexpr, dtype: tl.constexpr):
+    """For the decode kernel, what _qk_norm_rope_kernel computes of one token's kv head: its G query heads
+    [G_PAD, D] (rows >= G zero), normed and rotated; and, if `store`, its k (normed, rotated) and v written to
+    cache slot `slot` as _store_heads writes them. The caller barriers before it reads the cache."""
+    g = tl.arange(0, G_PAD)[:, None]
+    half = tl.arange(0, D // 2)[None, :]
+    src = token * stride_qkv + (kv_head * G + g) * D + half
+    x1 = load_split_sum(qkv_ptr, src, g < G, qkv_split_stride, QKV_SPLITS, dtype)
+    x2 = load_split_sum(qkv_ptr, src + D // 2, g < G, qkv_split_stride, QKV_SPLITS, dtype)
+    y1, y2 = normed_rotated(x1, x2, q_weight_ptr, cos_sin_row, eps, HAS_NORM, D, dtype)
+    q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (G_PAD, D))  # the halves side by side
+    if store:  # [1, D // 2] halves of the k head, then of the v head NUM_KV_HEADS heads on
+        k_src = token * stride_qkv + (NUM_HEADS + kv_head) * D + half
+        k1, k2 = normed_rotated(load_split_sum(qkv_ptr, k_src, None, qkv_split_stride, QKV_SPLITS, dtype),
+                                load_split_sum(qkv_ptr, k_src + D // 2, None, qkv_split_stride, QKV_SPLITS, dtype),
+                                k_weight_ptr, cos_sin_row, eps, HAS_NORM, D, dtype)
+        _store_heads(k1, k2, k_cache_ptr, k_scale_ptr, slot, kv_head, 1, NUM_KV_HEADS, D, PAGE, FP8, IS_V=False)
+        v_src = k_src + NUM_KV_HEADS * D
+        v1 = load_split_sum(qkv_ptr, v_src, None, qkv_split_stride, QKV_SPLITS, dtype)
+        v2 = load_split_sum(qkv_ptr, v_src + D // 2, None, qkv_split_stride, QKV_SPLITS, dtype)
+        _store_heads(v1, v2, v_cache_ptr, v_scale_ptr, slot, kv_head, 1, NUM_KV_HEADS, D, PAGE, FP8, IS_V=True)
+    return q
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one compilation for every prefill size
@@ -103,24 +155,13 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
                 _store_heads(x1, x2, v_cache_ptr, v_scale_ptr, slot, v_head, HEADS, NUM_KV_HEADS, D, PAGE, FP8,
                              IS_V=True)
         return
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     is_q = head < NUM_HEADS
+    w_ptr = q_weight_ptr  # None without the norm
     if HAS_NORM:
-        # rms_norm: x * rsqrt(mean(x^2) + eps) in float32, rounded to dtype, then weight * x in dtype
-        mean_sq = tl.sum(x1 * x1 + x2 * x2, axis=1)[:, None] / D
-        inv_rms = tl.math.rsqrt(mean_sq + eps)
-        if is_q:
-            w_ptr = q_weight_ptr
-        else:
+        if not is_q:
             w_ptr = k_weight_ptr
-        x1 = weighted_as_torch(x1, inv_rms, tl.load(w_ptr + half), dtype).to(dtype).to(tl.float32)
-        x2 = weighted_as_torch(x2, inv_rms, tl.load(w_ptr + D // 2 + half), dtype).to(dtype).to(tl.float32)
-    # apply_rope: cos_sin_cache row = [cos | sin], each D // 2 float32
-    cs = cos_sin_ptr + tl.load(positions_ptr + token) * stride_cs + half
-    cos = tl.load(cs)
-    sin = tl.load(cs + D // 2)
-    y1 = (x1 * cos - x2 * sin).to(dtype)
-    y2 = (x2 * cos + x1 * sin).to(dtype)
+    y1, y2 = normed_rotated(x1, x2, w_ptr, cos_sin_ptr + tl.load(positions_ptr + token) * stride_cs, eps,
+                            HAS_NORM, D, dtype)
     if is_q:
         dst = q_ptr + (token * NUM_HEADS + heads) * D + half
     else:
@@ -131,6 +172,21 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
         if not is_q and slot != -1:
             _store_heads(y1, y2, k_cache_ptr, k_scale_ptr, slot, head - NUM_HEADS, HEADS, NUM_KV_HEADS, D, PAGE,
                          FP8, IS_V=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NormRopeInputs:
+    """A decode step's qkv projection and what qk_norm_rope needs to make q, k, v of it, for the decode kernel
+    to do that itself (triton_decode.paged_decode_attention's from_qkv): q never goes through memory, and the
+    kernel stores each token's new K/V (slot_mapping: int64 [T], -1 nowhere) before it reads the cache."""
+    qkv: torch.Tensor | SplitKSum
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 1e-6
 
 
 def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int,

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.qk_norm_rope import NormRopeInputs, decode_q_storing_kv
+from nanovllm.layers.skinny_gemm import split_operand
 from nanovllm.layers.triton_attention import (
     LOG2E,
     NEG_INF,
@@ -84,10 +86,13 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, order_ptr, out_ptr, acc_ptr,
     m_ptr, l_ptr, split_counts_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt,
     stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
+    qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, cos_sin_ptr, stride_cs, q_weight_ptr, k_weight_ptr, eps,
+    slot_mapping_ptr,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LAST_SPLIT_MERGES: tl.constexpr,
-    MERGE_HEADS: tl.constexpr,
+    MERGE_HEADS: tl.constexpr, FROM_QKV: tl.constexpr, QKV_SPLITS: tl.constexpr, HAS_NORM: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
 ):
     """Grid (KVH, B, NUM_SPLITS): the G query heads of kv head program_id(0) over one split of the context,
     of sequence order[program_id(1)] if ORDERED, else program_id(1). The kv head varies fastest, so the
@@ -97,8 +102,12 @@ def _decode_kernel(
 
     With PDL the kernel is launched while the q/k norm + RoPE kernel before it still runs and stores this
     step's K/V. Until gdc_wait it reads only what the host wrote before the step (context lengths, order,
-    block tables); with PREFETCH it also asks L2 for its first tile of K/V, whose stale lines the store
-    then overwrites in L2, the GPU's point of coherence.
+    block tables; FROM_QKV: positions, slots); with PREFETCH it also asks L2 for its first tile of K/V, whose
+    stale lines the store then overwrites in L2, the GPU's point of coherence.
+
+    FROM_QKV: q is not in memory; each program computes its G heads from the qkv projection as the q/k norm +
+    RoPE kernel would (qk_norm_rope.decode_q_storing_kv), and the one whose split holds the newest key first
+    stores that token's K/V. PDL then overlaps this kernel with the qkv projection instead.
 
     With NUM_SPLITS > 1 each program stores its split's partial softmax (m, l, acc). With LAST_SPLIT_MERGES
     it also counts itself in split_counts[seq, kv_head], and the last of the NUM_SPLITS to arrive merges
@@ -116,6 +125,9 @@ def _decode_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if FROM_QKV:  # host-written inputs, read before the wait
+        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq) * stride_cs
+        slot = tl.load(slot_mapping_ptr + seq)
     if PDL:
         if PREFETCH:
             if start < end:
@@ -128,8 +140,16 @@ def _decode_kernel(
     d = tl.arange(0, D)
     heads = kv_head * G + g  # [G_PAD]
     head_mask = (g < G)[:, None]
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=head_mask, other=0.0)  # [G_PAD, D]
+    if FROM_QKV:  # this program's split holds the newest key: it stores that token's K/V first
+        newest = (start <= ctx - 1) & (ctx - 1 < end) & (slot != -1)
+        q = decode_q_storing_kv(qkv_ptr, stride_qkv, qkv_split_stride, seq.to(tl.int64), kv_head, cos_sin_row,
+                                q_weight_ptr, k_weight_ptr, eps, newest, slot, k_ptr, v_ptr, k_scale_ptr,
+                                v_scale_ptr, G, G_PAD, G * NUM_KV_HEADS, NUM_KV_HEADS, D, PAGE, QKV_SPLITS,
+                                HAS_NORM, FP8, out_ptr.dtype.element_ty)
+        tl.debug_barrier()  # the stores before any thread's loads of the cache
+    else:
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=head_mask, other=0.0)  # [G_PAD, D]
     if FP8:
         q = q.to(FP8_COMPUTE)
 
@@ -270,7 +290,8 @@ def _split_counts(n: int, device: torch.device) -> torch.Tensor:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None, v_scale=None,
-                           order=None, out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None):
+                           order=None, out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None,
+                           from_qkv: NormRopeInputs | None = None):
     """Single-token attention of each sequence over its paged KV cache.
 
     q: [B, H, D], the query at position context_lens[b] - 1 (its K/V already in the cache).
@@ -282,7 +303,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     context first (AttentionMetadata.decode_order), a ragged batch does not end on a few long rows.
     out: optional [B, H, D] destination. num_splits (a power of two), block_n, num_warps and
     num_stages override the launch heuristics (_decode_num_splits, _decode_tile).
+    from_qkv (q None): the qkv projection instead of q; the kernel computes q as qk_norm_rope would and
+    stores the new K/V (not yet in the cache) as its store would.
     """
+    if from_qkv is not None:
+        assert q is None, "q comes from from_qkv"
+        rows, D = from_qkv.qkv.shape[0], k_cache.shape[-1]
+        q = out = torch.empty(rows, from_qkv.num_heads, D, dtype=from_qkv.qkv.dtype, device=k_cache.device) \
+            if out is None else out
     B, H, D = q.shape
     _, page, kvh, _ = k_cache.shape
     precision = check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, out)
@@ -306,18 +334,36 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_max = part_sum = part_acc = split_counts = out  # unused
     strides = paged_strides(k_cache, v_cache, k_scale, block_tables)
     pdl = pdl_enabled(q.device)
+    qkv_args, qkv_splits, has_norm = _from_qkv_args(from_qkv, out)
     _decode_kernel[(kvh, B, num_splits)](
         q, k_cache, v_cache, *scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens,
         context_lens if order is None else order, out, part_acc, part_max, part_sum, split_counts, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, *qkv_args,
         G=G, G_PAD=max(8 if fp8 else 16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=fp8_compute_dtype(q),
         ORDERED=order is not None, PDL=pdl,
         PREFETCH=num_splits >= PREFETCH_MIN_SPLITS, LAST_SPLIT_MERGES=last_split_merges,
-        MERGE_HEADS=_merge_heads(G, num_splits), num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
-        **({"maxnreg": FP8_MAX_REGISTERS} if fp8 else {}),
+        MERGE_HEADS=_merge_heads(G, num_splits), FROM_QKV=from_qkv is not None, QKV_SPLITS=qkv_splits,
+        HAS_NORM=has_norm, NUM_KV_HEADS=kvh, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        # from_qkv: no FMA contraction, so that q and k round as qk_norm_rope's (which says why)
+        enable_fp_fusion=from_qkv is None, **({"maxnreg": FP8_MAX_REGISTERS} if fp8 else {}),
     )
     if num_splits > 1 and not last_split_merges:
         _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
                                       D=D, NUM_SPLITS=num_splits, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
+
+
+def _from_qkv_args(from_qkv: NormRopeInputs | None, placeholder: torch.Tensor) -> tuple[tuple, int, bool]:
+    """The decode kernel's qkv arguments (qkv, its row and split strides, positions, cos/sin cache and its row
+    stride, q/k norm weights, eps, slot mapping), its QKV_SPLITS and HAS_NORM; placeholders without from_qkv."""
+    if from_qkv is None:
+        return (placeholder, 0, 0, placeholder, placeholder, 0, placeholder, placeholder, 0.0, placeholder), 0, False
+    data, splits, split_stride = split_operand(from_qkv.qkv)
+    has_norm = from_qkv.q_weight is not None
+    cos_sin = from_qkv.cos_sin_cache
+    assert cos_sin.dtype == torch.float32 and cos_sin.stride(1) == 1 and data.stride(-1) == 1
+    assert from_qkv.slot_mapping.dtype == torch.int64 and from_qkv.positions.shape == (data.shape[-2],)
+    weights = (from_qkv.q_weight, from_qkv.k_weight) if has_norm else (placeholder, placeholder)
+    return ((data, data.stride(-2), split_stride, from_qkv.positions, cos_sin, cos_sin.stride(0), *weights,
+             from_qkv.eps, from_qkv.slot_mapping), splits, has_norm)

@@ -13,7 +13,7 @@ from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, skinny_applies
-from nanovllm.layers.qk_norm_rope import V_STORE_TILE, qk_norm_rope
+from nanovllm.layers.qk_norm_rope import V_STORE_TILE, NormRopeInputs, qk_norm_rope
 from nanovllm.layers.rotary_embedding import get_rope
 from nanovllm.layers.skinny_gemm import SplitKSum, skinny_swiglu
 
@@ -50,11 +50,26 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor | SplitKSum:
         fused = hidden_states.is_cuda
-        # Fused: the q/k norm + RoPE kernel sums the projection's split-K partials itself.
+        # Fused: the q/k norm + RoPE kernel (or, decoding a few rows, the decode kernel) sums the projection's
+        # split-K partials itself.
         qkv = self.qkv_proj(hidden_states, defer_sum=fused)
-        q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping, meta.is_prefill)
-        out = self.attn(q, k, v, meta, kv_stored=fused)
+        if fused and self.attn.decodes_from_qkv(qkv, meta):
+            out = self.attn.decode_from_qkv(self.norm_rope_inputs(positions, qkv, meta.slot_mapping), meta)
+        else:
+            q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping, meta.is_prefill)
+            out = self.attn(q, k, v, meta, kv_stored=fused)
         return self.o_proj(out.flatten(1, -1), defer_sum=True)  # summed by the post-attention norm
+
+    def norm_rope_inputs(self, positions: torch.Tensor, qkv: SplitKSum, slot_mapping: torch.Tensor) -> NormRopeInputs:
+        """What norm_rope's kernel would take, for the decode kernel to compute q and store k, v itself."""
+        return NormRopeInputs(qkv, positions, self.rotary_emb.cos_sin_cache, slot_mapping, self.num_heads,
+                              **self.qk_norm_weights())
+
+    def qk_norm_weights(self) -> dict:
+        """The q/k norm's keyword arguments of the fused kernels (none without qk_norm)."""
+        if not self.qk_norm:
+            return {}
+        return dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps)
 
     def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum, fused: bool,
                   slot_mapping: torch.Tensor | None = None,
@@ -65,12 +80,10 @@ class DecoderAttention(nn.Module):
         exists; a prefill's fp8 V by tiles of consecutive tokens); else the torch ops, the exact reference
         the CPU tests compare with transformers, storing nothing."""
         if fused:
-            norm = dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps) \
-                if self.qk_norm else {}
             store = dict(slot_mapping=slot_mapping, v_store_tile=V_STORE_TILE if prefill else 0,
                          **self.attn.kv_cache_views()) if slot_mapping is not None else {}
             return qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
-                                self.head_dim, **norm, **store)
+                                self.head_dim, **self.qk_norm_weights(), **store)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
