@@ -180,13 +180,16 @@ def test_decode_from_qkv(dtype, fp8, splits, num_splits):
     values (an fp8 byte may round the other way)."""
     h, kvh, d, block_size, lens = 4, 2, 32, 16, [1, 40, 0, 129, 33]
     k_cache, v_cache, tables, ctx = make_cache(lens, block_size, kvh, d, dtype)
-    caches = [dict(k_cache=k_cache.clone(), v_cache=v_cache.clone()) for _ in range(2)]
-    if fp8:
-        caches = []
-        for _ in range(2):
+
+    def layer_cache() -> tuple[dict, torch.Tensor]:  # qk_norm_rope's keyword arguments, the newest tokens' K/V erased
+        if fp8:
             k8, v8, scales, _, _ = fp8_cache(k_cache, v_cache)
-            caches.append(dict(k_cache=k8, v_cache=v8, **scales))
-    slots = [erased_newest_token(cache, tables, ctx) for cache in caches][0]
+            cache = dict(k_cache=k8, v_cache=v8, **scales)
+        else:
+            cache = dict(k_cache=k_cache.clone(), v_cache=v_cache.clone())
+        return cache, erased_newest_token(cache, tables, ctx)
+
+    (two_kernels, slots), (one_kernel, _) = layer_cache(), layer_cache()
     gen = torch.Generator().manual_seed(2)
     parts = torch.randn(max(splits, 1), len(lens), (h + 2 * kvh) * d, generator=gen).to(DEVICE)
     qkv = SplitKSum(parts, dtype) if splits else parts[0].to(dtype)
@@ -194,21 +197,21 @@ def test_decode_from_qkv(dtype, fp8, splits, num_splits):
     cos_sin = RotaryEmbedding(default_inv_freq(d, 1e6), 4096).cos_sin_cache.to(DEVICE)
     weights = [(2 * torch.rand(d, generator=gen)).to(DEVICE, dtype) for _ in range(2)]
     order = torch.tensor(sorted(range(len(lens)), key=lambda b: -lens[b]), dtype=torch.int32, device=DEVICE)
-    decode = dict(order=order, num_splits=num_splits)
-    q, _, _ = qk_norm_rope(qkv, positions, cos_sin, h, kvh, d, *weights, 1e-6, slots, **caches[0])
-    expected = triton_decode.paged_decode_attention(q, caches[0]["k_cache"], caches[0]["v_cache"], tables, ctx,
-                                                    d ** -0.5, k_scale=caches[0].get("k_scale"),
-                                                    v_scale=caches[0].get("v_scale"), **decode)
-    from_qkv = NormRopeInputs(qkv, positions, cos_sin, slots, h, *weights, 1e-6)
-    out = triton_decode.paged_decode_attention(None, caches[1]["k_cache"], caches[1]["v_cache"], tables, ctx,
-                                               d ** -0.5, k_scale=caches[1].get("k_scale"),
-                                               v_scale=caches[1].get("v_scale"), from_qkv=from_qkv, **decode)
+
+    def decode(q, cache, **kwargs):
+        return triton_decode.paged_decode_attention(q, cache["k_cache"], cache["v_cache"], tables, ctx, d ** -0.5,
+                                                    k_scale=cache.get("k_scale"), v_scale=cache.get("v_scale"),
+                                                    order=order, num_splits=num_splits, **kwargs)
+
+    q, _, _ = qk_norm_rope(qkv, positions, cos_sin, h, kvh, d, *weights, 1e-6, slots, **two_kernels)
+    expected = decode(q, two_kernels)
+    out = decode(None, one_kernel, from_qkv=NormRopeInputs(qkv, positions, cos_sin, slots, h, *weights, 1e-6))
     assert torch.isfinite(expected).all()
     exact = DEVICE == "cpu"
     torch.testing.assert_close(out, expected, **(dict(rtol=0, atol=0) if exact else dict(rtol=2e-3, atol=2e-3)))
-    for name, cache in caches[1].items():
+    for name, cache in one_kernel.items():
         tol = dict(rtol=0, atol=0) if exact else dict(rtol=0.13 if fp8 and "cache" in name else 2e-3, atol=1e-3)
-        torch.testing.assert_close(cache.float(), caches[0][name].float(), equal_nan=True, **tol)
+        torch.testing.assert_close(cache.float(), two_kernels[name].float(), equal_nan=True, **tol)
 
 
 def test_decode_num_splits_heuristic():
