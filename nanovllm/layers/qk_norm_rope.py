@@ -48,6 +48,14 @@ def _store_heads(x1, x2, cache_ptr, scale_ptr, slot, first_head, HEADS: tl.const
 
 
 @triton.jit
+def _load_halves(qkv_ptr, src, mask, split_stride, SPLITS: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr):
+    """The halves [..., D // 2] of the heads whose first halves start at qkv_ptr + src, loaded through
+    load_split_sum (SPLITS, split_stride: skinny_gemm.split_operand); 0 where mask (None: all) is False."""
+    return (load_split_sum(qkv_ptr, src, mask, split_stride, SPLITS, dtype),
+            load_split_sum(qkv_ptr, src + D // 2, mask, split_stride, SPLITS, dtype))
+
+
+@triton.jit
 def normed_rotated(x1, x2, w_ptr, cos_sin_row, eps, HAS_NORM: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr):
     """Heads given as their halves x1, x2 [rows, D // 2], RMS-normed with the weight at w_ptr (HAS_NORM) and
     rotated by RoPE's cos_sin_cache row [cos | sin] at cos_sin_row, with the torch ops' roundings (in a kernel
@@ -77,19 +85,16 @@ def decode_q_storing_kv(qkv_ptr, stride_qkv, qkv_split_stride, token, kv_head, c
     g = tl.arange(0, G_PAD)[:, None]
     half = tl.arange(0, D // 2)[None, :]
     src = token * stride_qkv + (kv_head * G + g) * D + half
-    x1 = load_split_sum(qkv_ptr, src, g < G, qkv_split_stride, QKV_SPLITS, dtype)
-    x2 = load_split_sum(qkv_ptr, src + D // 2, g < G, qkv_split_stride, QKV_SPLITS, dtype)
+    x1, x2 = _load_halves(qkv_ptr, src, g < G, qkv_split_stride, QKV_SPLITS, D, dtype)
     y1, y2 = normed_rotated(x1, x2, q_weight_ptr, cos_sin_row, eps, HAS_NORM, D, dtype)
     q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (G_PAD, D))  # the halves side by side
     if store:  # [1, D // 2] halves of the k head, then of the v head NUM_KV_HEADS heads on
         k_src = token * stride_qkv + (NUM_HEADS + kv_head) * D + half
-        k1, k2 = normed_rotated(load_split_sum(qkv_ptr, k_src, None, qkv_split_stride, QKV_SPLITS, dtype),
-                                load_split_sum(qkv_ptr, k_src + D // 2, None, qkv_split_stride, QKV_SPLITS, dtype),
-                                k_weight_ptr, cos_sin_row, eps, HAS_NORM, D, dtype)
+        k1, k2 = _load_halves(qkv_ptr, k_src, None, qkv_split_stride, QKV_SPLITS, D, dtype)
+        k1, k2 = normed_rotated(k1, k2, k_weight_ptr, cos_sin_row, eps, HAS_NORM, D, dtype)
         _store_heads(k1, k2, k_cache_ptr, k_scale_ptr, slot, kv_head, 1, NUM_KV_HEADS, D, PAGE, FP8, IS_V=False)
         v_src = k_src + NUM_KV_HEADS * D
-        v1 = load_split_sum(qkv_ptr, v_src, None, qkv_split_stride, QKV_SPLITS, dtype)
-        v2 = load_split_sum(qkv_ptr, v_src + D // 2, None, qkv_split_stride, QKV_SPLITS, dtype)
+        v1, v2 = _load_halves(qkv_ptr, v_src, None, qkv_split_stride, QKV_SPLITS, D, dtype)
         _store_heads(v1, v2, v_cache_ptr, v_scale_ptr, slot, kv_head, 1, NUM_KV_HEADS, D, PAGE, FP8, IS_V=True)
     return q
 
@@ -140,8 +145,7 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
     # The heads lie in this order in a qkv row too, so `heads` indexes all of them.
     src = token * stride_qkv + heads * D + half
     dtype = q_ptr.dtype.element_ty
-    x1 = load_split_sum(qkv_ptr, src, None, qkv_split_stride, QKV_SPLITS, dtype)  # [HEADS, D // 2]
-    x2 = load_split_sum(qkv_ptr, src + D // 2, None, qkv_split_stride, QKV_SPLITS, dtype)
+    x1, x2 = _load_halves(qkv_ptr, src, None, qkv_split_stride, QKV_SPLITS, D, dtype)  # [HEADS, D // 2] each
     if STORE:
         slot = tl.load(slot_mapping_ptr + token)  # -1: write nothing
     if head >= NUM_HEADS + NUM_KV_HEADS:  # v heads: stored unchanged
