@@ -21,6 +21,7 @@ from nanovllm.layers.kv_cache import (
     v_token_major,
 )
 from nanovllm.layers.qk_norm_rope import qk_norm_rope
+from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -238,6 +239,28 @@ def test_fp8_layer_triton_matches_torch(is_prefill, cached_lens, capacity):
     exact = torch_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     # e4m3 keeps 4 significant bits: N(0, 1) values are off by up to amax / 28 ~ 0.1; measured 0.06.
     assert (outs["torch"] - exact).abs().max() < 0.15
+
+
+def test_decodes_from_qkv_at_up_to_skinny_rows():
+    """The decode kernel takes over q/k norm + RoPE and the KV store for decode steps of the Triton backend of
+    up to SKINNY_MAX_ROWS rows, whether the qkv projection left its split-K partials or not, once the pool
+    exists; never for prefill, other backends, or more rows."""
+    def decodes(backend="triton", rows=SKINNY_MAX_ROWS, is_prefill=False, pool=True, split=False):
+        layer = Attention(4, 16, 0.25, 2, backend)
+        if pool:
+            layer.k_cache = torch.zeros(4, 16, 2, 16)
+        qkv = torch.zeros(rows, 8 * 16)
+        if split:
+            qkv = SplitKSum(torch.zeros(2, rows, 8 * 16), torch.float32)
+        meta = AttentionMetadata(is_prefill, torch.zeros(rows, dtype=torch.int64), torch.ones(rows, dtype=torch.int32),
+                                 torch.zeros(rows, 1, dtype=torch.int32))
+        return layer.decodes_from_qkv(qkv, meta)
+
+    assert decodes() and decodes(rows=1) and decodes(split=True)
+    assert not decodes(rows=SKINNY_MAX_ROWS + 1)
+    assert not decodes(is_prefill=True)
+    assert not decodes(backend="torch")
+    assert not decodes(pool=False)
 
 
 def test_workspace_groups():

@@ -25,8 +25,8 @@ def tiny_bf16(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_bf16_split_k(tmp_path_factory) -> str:
-    """tiny_bf16 with hidden_size 512: the decode projections split K, so the Triton backend decodes from
-    the qkv projection's partials (Attention.decode_from_qkv)."""
+    """tiny_bf16 with hidden_size 512: the decode projections split K, so the Triton backend's decode kernel
+    (Attention.decode_from_qkv) sums the qkv projection's partials itself (tiny_bf16's qkv is summed)."""
     path = str(tmp_path_factory.mktemp("tiny-bf16-split-k"))
     write_tiny_qwen3(path, dtype="bfloat16", hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=128, intermediate_size=1024)

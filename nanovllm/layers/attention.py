@@ -16,7 +16,7 @@ from torch import nn
 
 from nanovllm.layers.kv_cache import store_kvcache_torch, store_kvcache_triton, v_token_major
 from nanovllm.layers.qk_norm_rope import NormRopeInputs
-from nanovllm.layers.skinny_gemm import SplitKSum
+from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum
 
 # Prefill over an fp8 prefix dequantizes it when there are at least this many queries per context token
 # (dequantizing_pays).
@@ -179,10 +179,10 @@ class Attention(nn.Module):
         return dict(k_cache=self.k_cache, v_cache=self.v_cache, k_scale=self.k_scale, v_scale=self.v_scale)
 
     def decodes_from_qkv(self, qkv: torch.Tensor | SplitKSum, meta: AttentionMetadata) -> bool:
-        """Whether decode_from_qkv serves this step: a decode step of the Triton backend whose qkv projection
-        left its split-K partials (at most SKINNY_MAX_ROWS rows, where a kernel fewer a layer pays: BENCHMARKS.md,
-        nineteenth session), once the pool exists."""
-        return (self.attend is triton_attention and not meta.is_prefill and isinstance(qkv, SplitKSum)
+        """Whether decode_from_qkv serves this step: a decode step of the Triton backend of at most
+        SKINNY_MAX_ROWS rows (where a kernel fewer a layer pays: BENCHMARKS.md, nineteenth session), once the
+        pool exists."""
+        return (self.attend is triton_attention and not meta.is_prefill and qkv.shape[0] <= SKINNY_MAX_ROWS
                 and meta.slot_mapping is not None and self.k_cache.numel() > 0)
 
     def decode_from_qkv(self, inputs: NormRopeInputs, meta: AttentionMetadata) -> torch.Tensor:
