@@ -5,7 +5,8 @@ for an H200).
     python scripts/bench_gemm.py --sweep    # also search launch configs at M = 1 and 8 (~2 min more)
     python scripts/bench_gemm.py --chain    # only 28 layers of Qwen3-0.6B's decode linears, launch variants
     python scripts/bench_gemm.py --swiglu   # only 28 layers of the decode MLP: gate_up + SiLU vs skinny_swiglu
-    ... --rows 1,4,16                       # the rows (M) of --sweep, --chain, --swiglu (default 1,8)
+    ... --rows 1,4,16                       # the rows (M) of --sweep, --chain, --swiglu (default 1,8; --chain
+                                            # also above 16, its cuBLAS variants)
 
 bf16, y = x [M, K] @ weight [N, K].T. Times are medians of triton.testing.do_bench over CUDA-graph
 replays of the one op (GPU time without host launch overhead, as in the engine's decode graphs;
@@ -76,13 +77,15 @@ SWEEP_BEST = dict(qkv=dict(split_k=1), gate_up=dict(block_k=64, split_k=1))
 # Variants of the chain: the skinny GEMM's per-projection launch overrides (None: cuBLAS), whether the
 # Triton kernels use programmatic dependent launch (NANOVLLM_PDL), and whether every layer has the same
 # weights ("weights in L2": 31.5 MB, which stay in the H200's 50 MB L2 from the second layer on; the
-# bound on what prefetching the weights into L2 could gain).
+# bound on what prefetching the weights into L2 could gain, for the skinny GEMM or cuBLAS). Above
+# SKINNY_MAX_ROWS rows only the cuBLAS variants run.
 CHAIN_VARIANTS = {
     "default": dict(linear={}, pdl=True),
     "no PDL": dict(linear={}, pdl=False),
     "cuBLAS": dict(linear=None, pdl=True),
     "sweep best": dict(linear=SWEEP_BEST, pdl=True),
     "weights in L2": dict(linear={}, pdl=True, one_layer=True),
+    "cuBLAS in L2": dict(linear=None, pdl=True, one_layer=True),
 }
 
 
@@ -146,10 +149,13 @@ def run_chain(rows):
     for M in rows:
         times = []
         for variant in CHAIN_VARIANTS.values():
+            if variant["linear"] is not None and M > sg.SKINNY_MAX_ROWS:
+                times.append(None)  # the skinny GEMM takes at most SKINNY_MAX_ROWS rows
+                continue
             with pdl_setting(variant["pdl"]):
                 chain = layer_chain(M, layers, variant["linear"], variant.get("one_layer", False))
                 times.append(bench(chain) * 1e3 / layers)
-        emit(f"{M:>3} " + " ".join(f"{t:13.2f}" for t in times))
+        emit(f"{M:>3} " + " ".join(f"{t:13.2f}" if t is not None else f"{'-':>13}" for t in times))
     # The same kernels launched with and without PDL must agree bit for bit, eagerly and from a graph.
     for M in (1, 8):
         with pdl_setting(False):
@@ -264,7 +270,8 @@ def main():
     parser.add_argument("--swiglu", action="store_true",
                         help="only time 28 layers of the decode MLP: gate_up + SiLU against skinny_swiglu configs")
     parser.add_argument("--rows", type=lambda s: [int(m) for m in s.split(",")], default=[1, 8],
-                        help="rows (M <= 16) of --sweep, --chain and --swiglu, comma-separated (default 1,8)")
+                        help="rows of --sweep and --swiglu (M <= 16) and of --chain, comma-separated "
+                             "(default 1,8)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     start = time.time()
