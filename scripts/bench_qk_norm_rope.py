@@ -7,6 +7,8 @@ block, as a decode step's tokens do (one per sequence). Three stores: none, into
 fp8 cache (whose V is laid out tokens-contiguous, so a token's V head lands in 128 bytes 256 apart).
 Then prefill steps, whose tokens fill consecutive slots: the fp8 V stored by each token's program, or by
 tiles of V_STORE_TILE tokens (the engine's prefill path), against the bf16 store.
+Last, a decode step's fp8 store after a gather has read the sectors it writes into L2: what the store's
+one-byte writes cost in DRAM reads (BENCHMARKS.md, twentieth session).
 Times are medians over CUDA-graph replays (scripts/gpu_timing.py); the table is printed and, if $OUT is
 set, written to $OUT/bench_qk_norm_rope.txt.
 """
@@ -65,7 +67,39 @@ def main():
                                      slot_mapping=slots, v_store_tile=tile, **caches(fp8))
             times.append(bench(call) * 1e3)
         emit(f"{tokens:>6} " + " ".join(f"{t:11.2f}" for t in times))
+    decode_store_in_l2(rope, weights)
     save_report("bench_qk_norm_rope.txt")
+
+
+def decode_store_in_l2(rope, weights):
+    """Whether a decode step's fp8 V store is slow because its one-byte writes land in sectors L2 must first
+    read from DRAM: the kernel timed after a gather has read those sectors (and the scales') into L2, minus
+    the gather alone, against the kernel alone (L2 flushed before each replay) and the bf16 store."""
+    emit("decode fp8 store, us per call: kernel alone / after a gather of its V and scale sectors (minus the "
+         "gather) / the gather / bf16 store")
+    for tokens in (64, 256, 1024):
+        emit(f"{tokens:>6} " + " ".join(f"{t:11.2f}" for t in _store_in_l2_times(rope, weights, tokens)))
+
+
+def _store_in_l2_times(rope, weights, tokens):
+    qkv = torch.randn(tokens, (H + 2 * KVH) * D, dtype=DTYPE, device=DEV)
+    positions = torch.randint(0, 4096, (tokens,), device=DEV)
+    blocks, offsets = torch.randperm(BLOCKS, device=DEV)[:tokens], torch.randint(0, PAGE, (tokens,), device=DEV)
+    fp8 = caches(True)
+    call, bf16 = (functools.partial(qk_norm_rope, qkv, positions, rope.cos_sin_cache, H, KVH, D, *weights,
+                                    slot_mapping=blocks * PAGE + offsets, **cache) for cache in (fp8, caches(False)))
+
+    def gather():
+        fp8["v_cache"].view(torch.uint8)[blocks, :, :, offsets].sum()
+        fp8["v_scale"][blocks, :, offsets].sum()
+        fp8["k_scale"][blocks, :, offsets].sum()
+
+    def gather_then_call():
+        gather()
+        call()
+
+    t_call, t_gather, t_both, t_bf16 = (bench(f) * 1e3 for f in (call, gather, gather_then_call, bf16))
+    return t_call, t_both - t_gather, t_gather, t_bf16
 
 
 if __name__ == "__main__":
