@@ -5,6 +5,7 @@ which matrix instructions run, did anything spill" before any device time is spe
     python scripts/kernel_sass.py                                    # list the configurations
     python scripts/kernel_sass.py "decode fp8" --num-warps 4 --num-stages 2 [--sass FILE]
     python scripts/kernel_sass.py "decode fp8" --set BLOCK_N=64 --loops  # a constexpr changed; per-iteration counts
+    python scripts/kernel_sass.py "decode fp8, from qkv" --maxnreg 128 --no-fp-fusion  # launched as the engine does
 
 The configurations are those of tests/test_kernels_compile_for_gpu.py. Arguments get the
 specializations the runtime gives them: pointers and strides divisible by 16 (aligned tensors,
@@ -38,11 +39,12 @@ BACKWARD = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?BRA\s+(?:`?\
 
 
 def compile_for_sm90(config: tuple, num_warps: int, num_stages: int, divisible: tuple[str, ...] = (),
-                     maxnreg: int | None = None):
+                     maxnreg: int | None = None, fp_fusion: bool = True):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    options = dict(num_warps=num_warps, num_stages=num_stages) | ({"maxnreg": maxnreg} if maxnreg else {})
+    options = dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=fp_fusion)
+    options |= {"maxnreg": maxnreg} if maxnreg else {}
     return triton.compile(kernel_source(*config, aligned=True, divisible=divisible), target=GPUTarget("cuda", 90, 32),
                           options=options)
 
@@ -68,6 +70,8 @@ def main():
                         "comma-separated (e.g. K,k_per_split for the skinny GEMM): without them its loads look scalar")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override a constexpr of the configuration (a Python literal), e.g. --set BLOCK_N=64")
+    parser.add_argument("--no-fp-fusion", action="store_true",
+                        help="no FMA contraction, as the q/k norm + RoPE kernel and the from-qkv decode kernel launch")
     parser.add_argument("--maxnreg", type=int, help="registers a thread may use, as a launch's maxnreg (the fp8 "
                         "decode kernel launches with triton_decode.FP8_MAX_REGISTERS)")
     parser.add_argument("--loops", action="store_true",
@@ -83,7 +87,7 @@ def main():
         name, value = assignment.split("=", 1)
         constexprs = {**constexprs, name: ast.literal_eval(value)}
     compiled = compile_for_sm90((module, kernel, pointers, floats, constexprs), args.num_warps, args.num_stages,
-                                divisible, args.maxnreg)
+                                divisible, args.maxnreg, fp_fusion=not args.no_fp_fusion)
     sass = cuobjdump(compiled.asm["cubin"], "-sass")
     if args.sass:
         with open(args.sass, "w") as f:
