@@ -60,7 +60,8 @@ class DecoderAttention(nn.Module):
             out = self.attn(q, k, v, meta, kv_stored=fused)
         return self.o_proj(out.flatten(1, -1), defer_sum=True)  # summed by the post-attention norm
 
-    def norm_rope_inputs(self, positions: torch.Tensor, qkv: SplitKSum, slot_mapping: torch.Tensor) -> NormRopeInputs:
+    def norm_rope_inputs(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum,
+                         slot_mapping: torch.Tensor) -> NormRopeInputs:
         """What norm_rope's kernel would take, for the decode kernel to compute q and store k, v itself."""
         return NormRopeInputs(qkv, positions, self.rotary_emb.cos_sin_cache, slot_mapping, self.num_heads,
                               **self.qk_norm_weights())
