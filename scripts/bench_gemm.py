@@ -58,7 +58,7 @@ def default_row(model, layer, N, K, M, copy_bw):
     err = (sg.skinny_linear(x, weight).float() - F.linear(x, weight).float()).abs().max().item()
     t_ref = bench(lambda: F.linear(x, weight))
     t = bench(lambda: sg.skinny_linear(x, weight))
-    config = sg.launch_config(N, K, sg.num_sms(x.device))
+    config = sg.launch_config(N, K, sg.num_sms(x.device), sg.pdl_enabled(x.device))
     emit(f"{model:>5} {layer:>8} {N:>6} {K:>6} {M:>3} {t_ref * 1e3:9.2f} {tbps(N, K, t_ref):5.2f} "
          f"{t * 1e3:9.2f} {tbps(N, K, t):5.2f} {100 * tbps(N, K, t) * 1e12 / copy_bw:5.1f} "
          f"{t_ref / t:7.2f} {err:8.1e}  {short(config)}")
@@ -223,7 +223,7 @@ def sweep_shape(model, layer, N, K, M):
     """Coordinate search from the default: tile (bn, bk), then split_k, then (num_warps, num_stages)."""
     x, weight = inputs(M, N, K)
     expected = F.linear(x, weight)
-    default = sg.launch_config(N, K, sg.num_sms(x.device))
+    default = sg.launch_config(N, K, sg.num_sms(x.device), sg.pdl_enabled(x.device))
     results = {}  # config -> milliseconds, or why it has none
 
     def time_config(config):

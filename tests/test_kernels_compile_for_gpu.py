@@ -101,7 +101,7 @@ def configurations():
         "skinny gemm": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
                         {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}, [],
                         dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, PDL=True,
-                             PREFETCH_LINES=8)),
+                             PREFETCH_LINES=8, GATED=False)),
         "skinny gemm, gated (SwiGLU)": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
                                         {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"},
                                         [], dict(HAS_BIAS=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,

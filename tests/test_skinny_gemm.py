@@ -5,6 +5,7 @@ tiles as integers, so bfloat16 is tested on CUDA only). With CUDA, bf16 at Qwen3
 F.linear, inside a CUDA graph, and linear()'s choice of kernel.
 """
 
+import dataclasses
 import os
 
 import torch
@@ -114,6 +115,8 @@ def test_launch_config_is_valid(N, K):
         assert block >= 16 and block & (block - 1) == 0
     assert 1 <= config.split_k and config.split_k * config.block_k <= max(K, config.block_k)
     assert config.num_warps in (1, 2, 4, 8, 16) and config.num_stages >= 1
+    # With PDL the first tile is loaded before the pipelined loop, which takes one stage fewer.
+    assert launch_config(N, K, sms=132, pdl=True) == dataclasses.replace(config, num_stages=config.num_stages - 1)
 
 
 def test_linear_uses_f_linear_on_cpu(monkeypatch):

@@ -20,7 +20,8 @@ matching up tile, K unsplit, and writes silu(gate) * up, so the activation needs
 At decode sizes a kernel's launch and its first weight reads take as long as the rest of it. With
 programmatic dependent launch (utils.device.pdl_enabled) the kernel starts while the one before it
 (norm, activation, attention) still runs: each program asks L2 for the start of its weight slice,
-which no earlier kernel writes, and only then waits for that kernel's output, x.
+which no earlier kernel writes, loads its first weight tile into registers, and only then waits for
+that kernel's output, x (the load into registers: single stream +6% on the H200, BENCHMARKS.md).
 """
 
 import dataclasses
@@ -46,17 +47,19 @@ class LaunchConfig:
     num_stages: int
 
 
-def launch_config(N: int, K: int, sms: int) -> LaunchConfig:
+def launch_config(N: int, K: int, sms: int, pdl: bool = False) -> LaunchConfig:
     """Default tiles for x [M, K] @ weight [N, K].T: 64 x 128 weight tiles (16 KiB in 16 bits), and
     K split (by powers of two, at most 8, each split keeping >= 2 K tiles) until there are about
     two programs per SM. The H200 sweep (scripts/bench_gemm.py --sweep, BENCHMARKS.md) found the best
-    configs within ~10% of these and no dependence on the number of rows."""
+    configs within ~10% of these and no dependence on the number of rows. With PDL (`pdl`) the kernel
+    loads its first tile before its pipelined loop, which then does better with 3 stages than with 4
+    (H200: single stream +2%, BENCHMARKS.md)."""
     block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(K)))
     tiles_n = triton.cdiv(N, block_n)
     split_k = 1
     while tiles_n * split_k < 2 * sms and split_k < 8 and K >= 4 * split_k * block_k:
         split_k *= 2
-    return LaunchConfig(block_n, block_k, split_k, num_warps=4, num_stages=4)
+    return LaunchConfig(block_n, block_k, split_k, num_warps=4, num_stages=3 if pdl else 4)
 
 
 @triton.jit
@@ -66,6 +69,17 @@ def silu_and_mul_as_torch(gate, up, dtype: tl.constexpr):
     g = gate.to(dtype).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     return (silu * up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _load_tile(ptrs, k, row_mask, offs_k, K, EVEN_K: tl.constexpr):
+    """The tile at ptrs + k, masked by row_mask [rows, 1] and, unless EVEN_K, by k + offs_k < K (zeros past K:
+    the last tile is ragged). With EVEN_K the mask is the rows' only, so the loads stay vectorized along K."""
+    if EVEN_K:
+        tile = tl.load(ptrs + k, mask=row_mask, other=0.0)
+    else:
+        tile = tl.load(ptrs + k, mask=row_mask & (k + offs_k < K)[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
@@ -90,33 +104,35 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, 
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: tiles never straddle splits
     k_end = tl.minimum(k_start + k_per_split, K)
+    # GATED: rows n of the up half. Built either way (Triton's loop wants them in scope); unused, compiled away.
+    w_up_ptrs = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    loop_start = k_start
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        # No earlier kernel writes the weight: fetch the start of this program's slice (up to
-        # PREFETCH_LINES lines of each row) into L2 while the kernel before finishes, then wait for x.
+        # No earlier kernel writes the weight: fetch the start of this program's slice (up to PREFETCH_LINES
+        # lines of each row) into L2, and load its first tile (every split has one), while the kernel before
+        # finishes; then wait for x.
         line_k = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 64, k_end - 1)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
         prefetch_to_l2(w_ptr + rows[:, None] * K + line_k[None, :])
         if GATED:
             prefetch_to_l2(w_ptr + (rows + N)[:, None] * K + line_k[None, :])
-        tl.extra.cuda.gdc_wait()
-
-    # GATED: rows n of the up half. Built either way (Triton's loop wants them in scope); unused, compiled away.
-    w_up_ptrs = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * K + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:  # row masks only: the loads stay vectorized along K
-            w_mask = n_mask[:, None]
-            x = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
-        else:  # the last tile is ragged: zeros past K in both operands
-            k_mask = (k + offs_k < K)[None, :]
-            w_mask = n_mask[:, None] & k_mask
-            x = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask, other=0.0)
-        w = tl.load(w_ptrs + k, mask=w_mask, other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, BLOCK_M] = y.T tile
+        w = _load_tile(w_ptrs, k_start, n_mask[:, None], offs_k, K, EVEN_K)
         if GATED:
-            acc_up = tl.dot(tl.load(w_up_ptrs + k, mask=w_mask, other=0.0), tl.trans(x), acc_up)
+            w_up = _load_tile(w_up_ptrs, k_start, n_mask[:, None], offs_k, K, EVEN_K)
+        tl.extra.cuda.gdc_wait()
+        x = tl.trans(_load_tile(x_ptrs, k_start, m_mask[:, None], offs_k, K, EVEN_K))
+        acc = tl.dot(w, x, acc)  # [BLOCK_N, BLOCK_M] = y.T tile
+        if GATED:
+            acc_up = tl.dot(w_up, x, acc_up)
+        loop_start += BLOCK_K
+    for k in range(loop_start, k_end, BLOCK_K):
+        x = tl.trans(_load_tile(x_ptrs, k, m_mask[:, None], offs_k, K, EVEN_K))
+        acc = tl.dot(_load_tile(w_ptrs, k, n_mask[:, None], offs_k, K, EVEN_K), x, acc)
+        if GATED:
+            acc_up = tl.dot(_load_tile(w_up_ptrs, k, n_mask[:, None], offs_k, K, EVEN_K), x, acc_up)
 
     out_mask = n_mask[:, None] & m_mask[None, :]
     if GATED:
@@ -233,8 +249,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     M, K = x.shape
     N = weight.shape[0]
     _check_operands(x, weight, bias, N)
-    config = _overridden(launch_config(N, K, num_sms(x.device)), block_n=block_n, block_k=block_k, split_k=split_k,
-                         num_warps=num_warps, num_stages=num_stages)
+    config = _overridden(launch_config(N, K, num_sms(x.device), pdl_enabled(x.device)), block_n=block_n,
+                         block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
     # Whole K tiles per split; splits left with no tile are dropped.
