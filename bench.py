@@ -16,6 +16,7 @@ the weights' values).
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -24,7 +25,11 @@ from random import randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.model_runner import PendingOutput
+from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.model_runner import ModelRunner, PendingOutput
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.utils.device import pdl_enabled
 from nanovllm.utils.tiny_model import LLAMA_3_2_1B, QWEN2_5_0_5B, QWEN3_0_6B, QWEN3_8B, write_benchmark_checkpoint
 
@@ -119,26 +124,44 @@ EVERY_CONTROL = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, pr
                      frequency_penalty=0.2, seed=1, logprobs=5)
 
 
+# What bench_streams times of the host's decode step (rank 0's process), by the method doing it. "waiting" is
+# the host waiting for a step's tokens: steps overlap, so a host that never waits is the bottleneck, and the GPU
+# then idles between steps for the host's work.
+HOST_PARTS = {
+    "waiting": (PendingOutput, "result"),
+    "schedule": (Scheduler, "schedule"),
+    "inputs": (StepInputs, "prepare_decode"),
+    "graph launch": (DecodeGraphs, "replay"),
+    "eager forward": (DecoderForCausalLM, "forward"),  # no graph: CPU, --enforce-eager, batches above the graphs'
+    "lm_head": (DecoderForCausalLM, "compute_logits"),
+    "sampling": (ModelRunner, "_sample"),
+    "postprocess": (Scheduler, "postprocess"),
+}
+
+
 @contextlib.contextmanager
-def host_waits():
-    """Yields a one-item list that sums the seconds the host spends waiting for a step's tokens
-    (PendingOutput.result) while the block runs. Steps overlap, so a host that never waits is the
-    bottleneck: the GPU then idles between steps for the host's bookkeeping."""
-    waited = [0.0]
-    result = PendingOutput.result
+def host_time_by_part():
+    """Yields a dict that sums, while the block runs, the seconds the host spends in each of HOST_PARTS."""
+    spent = dict.fromkeys(HOST_PARTS, 0.0)
+    originals = {part: getattr(cls, name) for part, (cls, name) in HOST_PARTS.items()}
 
-    def timed_result(self):
-        start = time.perf_counter()
-        try:
-            return result(self)
-        finally:
-            waited[0] += time.perf_counter() - start
+    def timed(part, method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+        return wrapper
 
-    PendingOutput.result = timed_result
+    for part, (cls, name) in HOST_PARTS.items():
+        setattr(cls, name, timed(part, originals[part]))
     try:
-        yield waited
+        yield spent
     finally:
-        PendingOutput.result = result
+        for part, (cls, name) in HOST_PARTS.items():
+            setattr(cls, name, originals[part])
 
 
 def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, every_control: bool,
@@ -161,7 +184,7 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, 
         while any(seq.num_output_tokens == 0 for seq in seqs):
             llm.step()
         first = time.perf_counter()
-        with host_waits() as waited:
+        with host_time_by_part() as spent:
             while not llm.is_finished():
                 llm.step()
         end = time.perf_counter()
@@ -169,7 +192,11 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, 
         print(f"{num_streams} stream(s): prompt {prompt_len}, time to first token {(first - start) * 1e3:.1f} ms, "
               f"decode {per_stream:,.0f} tok/s per stream ({1e3 / per_stream:.2f} ms/token), "
               f"{per_stream * num_streams:,.0f} tok/s in all; the host waited for the GPU "
-              f"{waited[0] / (end - first):.0%} of the decode")
+              f"{spent['waiting'] / (end - first):.0%} of the decode")
+        steps = new_tokens - 1
+        parts = {**spent, "other": end - first - sum(spent.values())}
+        print("  host µs a decode step: " + ", ".join(f"{part} {seconds / steps * 1e6:.0f}"
+                                                   for part, seconds in parts.items()))
         rates.append(per_stream)
     if runs >= 3:
         print(f"median of {runs} runs: decode {statistics.median(rates):,.0f} tok/s per stream")

@@ -3,9 +3,10 @@
 import time
 import types
 
-from bench import bench_streams, host_waits, time_added
+from bench import HOST_PARTS, bench_streams, host_time_by_part, time_added
 from nanovllm import LLM
 from nanovllm.engine.model_runner import PendingOutput
+from nanovllm.engine.scheduler import Scheduler
 
 
 def test_time_added_counts_overlapped_kernels_once():
@@ -29,15 +30,22 @@ def test_bench_streams_times_every_run(tiny_model, capsys):
     assert len(rates) == 3 and all(rate > 0 for rate in rates)
     assert sum(line.startswith("2 stream(s): prompt 8, ") and "; the host waited for the GPU " in line
                for line in lines) == 3
+    breakdowns = [line for line in lines if line.startswith("  host µs a decode step: ")]
+    assert len(breakdowns) == 3
+    assert [item.rsplit(" ", 1)[0] for item in breakdowns[0].split(": ", 1)[1].split(", ")] == [*HOST_PARTS, "other"]
     assert lines[-1] == f"median of 3 runs: decode {sorted(rates)[1]:,.0f} tok/s per stream"
 
 
-def test_host_waits_sums_the_time_in_pending_results(monkeypatch):
-    original = PendingOutput.result
-    monkeypatch.setattr(time, "perf_counter", iter([1.0, 1.25, 2.0, 2.5]).__next__)
+def test_host_time_by_part_sums_each_part_and_restores_the_methods(monkeypatch):
+    originals = {part: getattr(cls, name) for part, (cls, name) in HOST_PARTS.items()}
+    monkeypatch.setattr(time, "perf_counter", iter([1.0, 1.25, 2.0, 2.5, 3.0, 3.125]).__next__)
+    monkeypatch.setattr(Scheduler, "postprocess", lambda self, step, tokens: tokens)
     step = types.SimpleNamespace(event=None, channel=None, output="tokens")
-    with host_waits() as waited:
+    with host_time_by_part() as spent:
         assert PendingOutput.result(step) == "tokens"
         assert PendingOutput.result(step) == "tokens"
-    assert waited == [0.75]
-    assert PendingOutput.result is original
+        assert Scheduler.postprocess(None, None, [7]) == [7]
+    assert spent == {**dict.fromkeys(HOST_PARTS, 0.0), "waiting": 0.75, "postprocess": 0.125}
+    assert PendingOutput.result is originals["waiting"]
+    assert all(getattr(cls, name) is originals[part] for part, (cls, name) in HOST_PARTS.items()
+               if part != "postprocess")
