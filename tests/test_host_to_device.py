@@ -1,6 +1,7 @@
 """Step inputs reach the device by one copy: packed, then viewed back in their dtypes and shapes."""
 
 import numpy as np
+import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
@@ -32,10 +33,12 @@ def test_packed_arrays_come_back_equal_and_aligned():
 
 def test_a_step_copies_its_inputs_to_the_device_once(tiny_model, prompts):
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton") as llm:
-        inputs = llm.model_runner.inputs
+        inputs, graphs = llm.model_runner.inputs, llm.model_runner.graphs
         copies, steps = [], []
-        to_device = inputs.to_device
-        inputs.to_device = lambda array: copies.append(array.shape) or to_device(array)
+        # Every copy, by the inputs' to_device or, for a decode step with CUDA graphs, by the graphs' own.
+        for copier in (inputs, graphs) if graphs is not None else (inputs,):
+            to_device = copier.to_device
+            copier.to_device = lambda array, to_device=to_device: copies.append(array.shape) or to_device(array)
         for name in ("prepare_prefill", "prepare_decode"):
             prepare = getattr(inputs, name)
 
@@ -89,11 +92,12 @@ def test_the_largest_decode_step_fits_the_graphs_input_buffer():
         seq.block_table = list(range(i * width, (i + 1) * width))
         seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
         seqs.append(seq)
-    inputs.keep_sampled(torch.arange(100, 100 + rows), seqs)
+    # Sampled in the other order, so the tokens are gathered by the in-flight arrays (packed too), not copied.
+    inputs.keep_sampled(torch.arange(100, 100 + rows), seqs[::-1])
     packed = []
     inputs.to_device = lambda array: packed.append(array.nbytes) or torch.from_numpy(array)
     input_ids, _, meta = inputs.prepare_decode(seqs)
-    assert input_ids.tolist() == list(range(100, 100 + rows))  # the in-flight tokens, read "on the device"
+    assert input_ids.tolist() == list(range(100 + rows - 1, 99, -1))  # the in-flight tokens, read "on the device"
     assert meta.block_tables.shape == (rows, width)
     capacity = decode_inputs_bytes(rows, width)
     assert capacity - 8 * ALIGNMENT <= packed[0] <= capacity
@@ -103,3 +107,37 @@ def test_a_batch_runs_in_the_smallest_bucket_that_holds_it():
     buckets = batch_buckets(40)
     assert buckets == [1, 2, 4, 8, 16, 32, 40]
     assert [smallest_bucket(buckets, rows) for rows in (1, 3, 8, 9, 17, 33, 40)] == [1, 4, 8, 16, 32, 40, 40]
+
+
+def in_flight_decode_batch(num_seqs: int, block_size: int = 16) -> list[Sequence]:
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence(list(range(1, 6)), SamplingParams(), block_size)
+        seq.token_ids[-1] = PLACEHOLDER
+        seq.block_table = [i]
+        seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
+        seqs.append(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("rows, copied", [((0, 1, 2), True), ((0, 1), True), ((1, 2), False), ((2, 0, 1), False)])
+def test_in_flight_tokens_in_the_last_steps_order_are_copied(monkeypatch, rows, copied):
+    """Every token in flight and the rows a prefix of the last step's, in its order (steady decode, or
+    sequences finished at the end): one copy of last_tokens fills them in and no in-flight arrays are packed.
+    Otherwise the rows are gathered through the packed in-flight arrays. Either way each sequence reads the
+    token its previous step sampled."""
+    from nanovllm.engine import step_inputs
+
+    inputs = StepInputs(torch.device("cpu"), 16, decode_order=False)
+    last = in_flight_decode_batch(3)
+    inputs.keep_sampled(torch.tensor([7, 8, 9]), last)
+    packed_names = []
+
+    def spy(arrays, to_device):
+        packed_names.append(list(arrays))
+        return to_device_packed(arrays, to_device)
+
+    monkeypatch.setattr(step_inputs, "to_device_packed", spy)
+    input_ids, _, _ = inputs.prepare_decode([last[row] for row in rows])
+    assert input_ids.tolist() == [7 + row for row in rows]
+    assert ("inflight" in packed_names[0]) == (not copied)
