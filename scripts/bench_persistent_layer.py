@@ -25,7 +25,7 @@ from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
 from nanovllm.layers import skinny_gemm as sg
 from nanovllm.layers.layernorm import rms_norm_triton, weighted_as_torch
-from nanovllm.layers.skinny_gemm import silu_and_mul_as_torch
+from nanovllm.layers.skinny_gemm import load_split_sum, silu_and_mul_as_torch
 from nanovllm.utils.device import num_sms, prefetch_to_l2
 
 DTYPE = torch.bfloat16
@@ -126,10 +126,9 @@ def _prefetch_split_gemm(w_ptr, N: tl.constexpr, K: tl.constexpr, SPLITS: tl.con
 
 @triton.jit
 def _sum_parts(part_ptr, split_stride, res_ptr, offs, mask, SPLITS: tl.constexpr, dtype: tl.constexpr):
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * split_stride + offs, mask=mask, other=0.0)
-    return acc.to(dtype).to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    """float32 residual + the partials' sum rounded to dtype: the rms_norm kernel's h."""
+    y = load_split_sum(part_ptr, offs, mask, split_stride, SPLITS, dtype)
+    return y.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
