@@ -80,18 +80,24 @@ def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model):
     assert offsets(step) == offsets(capture)
 
 
+def in_flight_decode_batch(num_seqs: int, blocks_per_seq: int = 1, block_size: int = 16) -> list[Sequence]:
+    """Decode sequences of blocks_per_seq full blocks each (their own blocks), each last token still in flight."""
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence(list(range(1, block_size * blocks_per_seq + 1)), SamplingParams(), block_size)
+        seq.token_ids[-1] = PLACEHOLDER
+        seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
+        seqs.append(seq)
+    return seqs
+
+
 def test_the_largest_decode_step_fits_the_graphs_input_buffer():
     """A full batch, every block-table row at its widest and every token in flight: the most
     prepare_decode packs, which the decode graphs' input buffer must hold (to the byte but the padding)."""
     rows, width, block_size = 64, 4, 16
     inputs = StepInputs(torch.device("cpu"), block_size, decode_order=True)
-    seqs = []
-    for i in range(rows):
-        seq = Sequence(list(range(1, block_size * width + 1)), SamplingParams(), block_size)
-        seq.token_ids[-1] = PLACEHOLDER
-        seq.block_table = list(range(i * width, (i + 1) * width))
-        seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
-        seqs.append(seq)
+    seqs = in_flight_decode_batch(rows, width, block_size)
     # Sampled in the other order, so the tokens are gathered by the in-flight arrays (packed too), not copied.
     inputs.keep_sampled(torch.arange(100, 100 + rows), seqs[::-1])
     packed = []
@@ -107,17 +113,6 @@ def test_a_batch_runs_in_the_smallest_bucket_that_holds_it():
     buckets = batch_buckets(40)
     assert buckets == [1, 2, 4, 8, 16, 32, 40]
     assert [smallest_bucket(buckets, rows) for rows in (1, 3, 8, 9, 17, 33, 40)] == [1, 4, 8, 16, 32, 40, 40]
-
-
-def in_flight_decode_batch(num_seqs: int, block_size: int = 16) -> list[Sequence]:
-    seqs = []
-    for i in range(num_seqs):
-        seq = Sequence(list(range(1, 6)), SamplingParams(), block_size)
-        seq.token_ids[-1] = PLACEHOLDER
-        seq.block_table = [i]
-        seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
-        seqs.append(seq)
-    return seqs
 
 
 @pytest.mark.parametrize("rows, copied", [((0, 1, 2), True), ((0, 1), True), ((1, 2), False), ((2, 0, 1), False)])
