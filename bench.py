@@ -135,6 +135,7 @@ HOST_PARTS = {
     "eager forward": (DecoderForCausalLM, "forward"),  # no graph: CPU, --enforce-eager, batches above the graphs'
     "lm_head": (DecoderForCausalLM, "compute_logits"),
     "sampling": (ModelRunner, "_sample"),
+    "head graph": (DecodeGraphs, "sample"),  # lm_head and the sampler of a temperature-only step, in a graph
     "postprocess": (Scheduler, "postprocess"),
 }
 

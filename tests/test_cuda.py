@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.layers.attention import Attention
 from nanovllm.utils.tiny_model import write_tiny_qwen3
 
@@ -166,3 +167,27 @@ def test_sampler_graphs_sample_what_the_eager_sampler_does(tiny_bf16, prompts):
         assert ("logprobs" in got) == ("logprobs" in want)
         for got_step, want_step in zip(got.get("logprobs", []), want.get("logprobs", [])):
             assert got_step == pytest.approx(want_step, abs=1e-5)
+
+
+def test_decode_graphs_sample_temperature_steps_as_the_eager_sampler_does(tiny_bf16, prompts, monkeypatch):
+    """A decode step whose rows sample by temperature alone replays its bucket's head graph (lm_head and the
+    one-pass sampler, seeded by torch's generator at each replay) instead of running them eagerly: under the same
+    torch seed it draws what the eager engine draws, as batches shrink through the buckets. Steps with a row
+    short of min_tokens (its EOS suppressed) sample eagerly."""
+    replayed_rows = []
+    sample = DecodeGraphs.sample
+    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, meta: replayed_rows.append(meta.block_tables.size(0))
+                        or sample(self, meta))
+    params = [SamplingParams(temperature=0, min_tokens=6, max_tokens=8, stop_token_ids=[3]) if i == 0 else
+              SamplingParams(temperature=0.8, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    outputs = {}
+    for eager in (True, False):
+        with LLM(tiny_bf16, max_model_len=1024, enforce_eager=eager, max_num_seqs=20) as llm:
+            torch.manual_seed(1)
+            outputs[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[False] == outputs[True]
+    # Prefill samples every first token; the first 5 decode steps, which sample row 0's 2nd to 6th, hold its stop
+    # ids back: eager. Then every decode step samples in the graphs, down to the longest row's last alone.
+    num_decode_steps = max(p.max_tokens for p in params) - 1
+    assert len(replayed_rows) == num_decode_steps - 5 and replayed_rows[-1] == 1
+    assert replayed_rows == sorted(replayed_rows, reverse=True)

@@ -54,12 +54,16 @@ def test_a_step_copies_its_inputs_to_the_device_once(tiny_model, prompts):
     assert all(count == 1 for _, count in steps)
 
 
-def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model):
+@pytest.mark.parametrize("temperatures", [False, True])
+def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model, temperatures):
     """A decode graph of R rows reads its inputs at the offsets that packing R padding rows gave at capture
-    (cuda_graph.DecodeGraphs): a real step's rows, padded to R, must land at the same offsets."""
+    (cuda_graph.DecodeGraphs): a real step's rows, padded to R, must land at the same offsets. Graphs that
+    sample read the rows' temperatures too."""
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton") as llm:
         inputs = llm.model_runner.inputs
-        seqs = llm.make_sequences([[5, 6, 7], list(range(1, 21))], SamplingParams())
+        inputs.decode_temperatures = temperatures
+        seqs = llm.make_sequences([[5, 6, 7], list(range(1, 21))],
+                                  [SamplingParams(temperature=0.5), SamplingParams(temperature=0)])
         for block, seq in enumerate(seqs):  # as the scheduler leaves them for a decode step
             seq.block_table = [2 * block + 1, 2 * block + 2][:seq.num_blocks]
             seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
@@ -68,7 +72,8 @@ def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model):
 
     assert {name: array.tolist() for name, array in rows.items()} == {
         "input_ids": [7, 20, 0, 0], "positions": [2, 19, 0, 0], "slot_mapping": [1 * 16 + 2, 4 * 16 + 3, -1, -1],
-        "context_lens": [3, 20, 0, 0], "decode_order": [1, 0, 2, 3]}
+        "context_lens": [3, 20, 0, 0], "decode_order": [1, 0, 2, 3],
+        **({"temperatures": [0.5, 0, 0, 0]} if temperatures else {})}
     assert [(a.dtype, a.shape) for a in rows.values()] == [(a.dtype, a.shape) for a in capture.values()]
 
     def offsets(arrays):
@@ -97,6 +102,7 @@ def test_the_largest_decode_step_fits_the_graphs_input_buffer():
     prepare_decode packs, which the decode graphs' input buffer must hold (to the byte but the padding)."""
     rows, width, block_size = 64, 4, 16
     inputs = StepInputs(torch.device("cpu"), block_size, decode_order=True)
+    inputs.decode_temperatures = True  # as for decode graphs that sample
     seqs = in_flight_decode_batch(rows, width, block_size)
     # Sampled in the other order, so the tokens are gathered by the in-flight arrays (packed too), not copied.
     inputs.keep_sampled(torch.arange(100, 100 + rows), seqs[::-1])
@@ -106,7 +112,7 @@ def test_the_largest_decode_step_fits_the_graphs_input_buffer():
     assert input_ids.tolist() == list(range(100 + rows - 1, 99, -1))  # the in-flight tokens, read "on the device"
     assert meta.block_tables.shape == (rows, width)
     capacity = decode_inputs_bytes(rows, width)
-    assert capacity - 8 * ALIGNMENT <= packed[0] <= capacity
+    assert capacity - 9 * ALIGNMENT <= packed[0] <= capacity
 
 
 def test_a_batch_runs_in_the_smallest_bucket_that_holds_it():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm.engine.cuda_graph import SamplerGraphs
-from nanovllm.engine.sampling_metadata import build_sampling_metadata
+from nanovllm.engine.sampling_metadata import build_sampling_metadata, only_temperature
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import sampler as sampler_module
 from nanovllm.layers import sampling_filters
@@ -312,6 +312,20 @@ def test_min_tokens_suppresses_eos_and_stop_ids(impl):
     assert sample(logits, [params], [seq], impl).token_ids == [3]
     seq.append_token(3)
     assert sample(logits, [params], [seq], impl).token_ids == [7]  # min_tokens reached
+
+
+def test_a_row_short_of_min_tokens_keeps_its_step_off_the_one_pass_sampler():
+    """only_temperature decides whether a decode graph samples the step (cuda_graph.DecodeGraphs.samples): not
+    while a row's EOS or stop ids are suppressed, nor with any control; a min_tokens with nothing to suppress
+    keeps it."""
+    held = Sequence([1, 2], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4]), 16, eos_token_ids={7})
+    plain = rows([SamplingParams(temperature=0.7), SamplingParams(temperature=0, stop="x", min_tokens=2)])
+    assert only_temperature(plain) and not only_temperature(plain + [held])
+    assert not only_temperature(plain + rows([SamplingParams(top_p=0.9)]))
+    held.append_token(3)
+    assert not only_temperature([held])
+    held.append_token(3)
+    assert only_temperature([held])  # min_tokens reached
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -1,5 +1,5 @@
-"""CUDA graphs of the decode forward, one per batch-size bucket, and of the sampler's general path,
-replayed from static buffers."""
+"""CUDA graphs of the decode forward, one per batch-size bucket (and of its temperature sampling), and of
+the sampler's general path, replayed from static buffers."""
 
 import copy
 
@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.host_to_device import ALIGNMENT, ToDevice, pinned, to_device_packed
-from nanovllm.engine.sampling_metadata import InflightTokens, build_sampling_metadata
+from nanovllm.engine.sampling_metadata import InflightTokens, build_sampling_metadata, only_temperature
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -26,19 +26,26 @@ def smallest_bucket(buckets: list[int], rows: int) -> int:
 
 def decode_inputs_bytes(max_num_seqs: int, max_blocks_per_seq: int) -> int:
     """What StepInputs.prepare_decode packs at most: per row, the row arrays (token id, position and slot in
-    int64; context length and decode order in int32), the block-table row and the two int64 in-flight
-    arrays; each of the eight arrays padded to ALIGNMENT."""
-    return max_num_seqs * (3 * 8 + 2 * 4 + 4 * max_blocks_per_seq + 2 * 8) + 8 * ALIGNMENT
+    int64; context length and decode order in int32; temperature in float32), the block-table row and the two
+    int64 in-flight arrays; each of the nine arrays padded to ALIGNMENT."""
+    return max_num_seqs * (3 * 8 + 3 * 4 + 4 * max_blocks_per_seq + 2 * 8) + 9 * ALIGNMENT
 
 
 class DecodeGraphs:
     """A graph per batch-size bucket reads its per-row inputs (token ids, positions, slots, context lengths,
     decode order) where the step's one packed host-to-device copy puts them: the start of `inputs`, at the
     offsets host_to_device.to_device_packed gives arrays of the bucket's row count (StepInputs.decode_rows
-    pads them). Only the block tables, whose width varies, are copied into the graphs' own buffer."""
+    pads them). Only the block tables, whose width varies, are copied into the graphs' own buffer.
 
-    def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int):
+    With a `sampler` (rank 0 of a single-GPU engine, whose StepInputs pack decode_temperatures) each bucket also
+    has a graph of the step's head: lm_head and the one-pass temperature sampler, seeded at each replay by
+    torch's generator as the eager sampler is. A step whose rows sample by temperature alone (`samples`)
+    launches it (`sample`) instead of lm_head and the sampler: ~250 µs less host work a step, which on a slow
+    host set the pace of a single stream (BENCHMARKS.md, twenty-second session)."""
+
+    def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int, sampler: Sampler | None = None):
         self.model = runner.model
+        self.sampler = sampler
         self.buckets = batch_buckets(max_num_seqs)
         self.max_batch_size = max_num_seqs
         self.inputs = torch.zeros(decode_inputs_bytes(max_num_seqs, max_blocks_per_seq), dtype=torch.uint8,
@@ -46,6 +53,10 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The head graphs' tokens, outside the graphs' pool: no other graph's replay overwrites them, so they
+        # stay valid as the next step's in-flight tokens (StepInputs.keep_sampled) until a head graph replays.
+        self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=runner.device) if sampler else None
         self.pool = None
         self._capture_all(runner)
 
@@ -74,7 +85,18 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
+            if self.sampler is not None:
+                self.head_graphs[bs] = self._capture_head(self.outputs[bs], rows["temperatures"])
             torch.cuda.synchronize()
+
+    def _capture_head(self, hidden: torch.Tensor, temperatures: torch.Tensor) -> torch.cuda.CUDAGraph:
+        """A graph of lm_head over `hidden` and the temperature sampler, its tokens into self.tokens."""
+        meta = SamplingMetadata(temperatures)
+        self.sampler(self.model.compute_logits(hidden), meta)  # warm-up (compiles the sampler) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            self.tokens[:len(hidden)].copy_(self.sampler(self.model.compute_logits(hidden), meta).token_ids)
+        return graph
 
     def replay(self, meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states of a step whose inputs StepInputs.prepare_decode copied to `inputs` (padded to
@@ -85,9 +107,20 @@ class DecodeGraphs:
         self.graphs[graph_bs].replay()
         return self.outputs[graph_bs][:bs]
 
+    def samples(self, seqs: list[Sequence]) -> bool:
+        """Whether the head graphs sample the step of `seqs`: every row by its temperature alone."""
+        return self.sampler is not None and only_temperature(seqs)
+
+    def sample(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The tokens [rows] of the step just replayed (same meta), by its bucket's head graph: a view of
+        self.tokens, valid until the next head graph replays."""
+        self.head_graphs[meta.context_lens.size(0)].replay()
+        return self.tokens[:meta.block_tables.size(0)]
+
     def release(self):
         self.graphs.clear()
         self.outputs.clear()
+        self.head_graphs.clear()
         self.pool = None
 
 

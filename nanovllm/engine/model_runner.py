@@ -86,7 +86,11 @@ class ModelRunner:
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs = self.sampler_graphs = None
         if is_cuda and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq)
+            # On one GPU the decode graphs sample too (temperature alone). With tensor parallelism the other
+            # ranks, which do not know the requests' sampling, run lm_head's gather eagerly every step.
+            sampler = self.sampler if self.world_size == 1 else None
+            self.inputs.decode_temperatures = sampler is not None
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq, sampler)
             if rank == 0:
                 self.sampler_graphs = SamplerGraphs(self.sampler, config.max_num_seqs)
 
@@ -212,6 +216,10 @@ class ModelRunner:
             graphs = self.graphs if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size else None
             input_ids, positions, meta = self.inputs.prepare_decode(seqs, graphs)
             hidden = graphs.replay(meta) if graphs is not None else self.model(input_ids, positions, meta)
+            if graphs is not None and graphs.samples(seqs):  # lm_head and the sampler in a graph too (rank 0 alone)
+                tokens = graphs.sample(meta)
+                self.inputs.keep_sampled(tokens, seqs)
+                return PendingOutput(SamplerOutput(tokens), self.channel)
             sampling_seqs = seqs
         logits = self.model.compute_logits(hidden)
         if not sampling_seqs:

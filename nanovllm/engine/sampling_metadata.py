@@ -34,9 +34,7 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: To
     from step to step, as CUDA graphs of the sampler need (cuda_graph.SamplerGraphs)."""
     shape = _Shape(len(seqs), num_rows)
     host = {"temperatures": shape.rows([seq.temperature for seq in seqs], 0, np.float32)}
-    # EOS and stop ids of the rows still short of min_tokens.
-    suppressed = [(row, token_id) for row, seq in enumerate(seqs)
-                  if seq.min_tokens_stop_ids and seq.num_completion_tokens < seq.min_tokens
+    suppressed = [(row, token_id) for row, seq in enumerate(seqs) if suppresses_stop_ids(seq)
                   for token_id in seq.min_tokens_stop_ids]
     if suppressed:  # padded with repeats of the first pair: suppressing it twice changes nothing
         suppressed += suppressed[:1] * (shape.size(len(suppressed)) - len(suppressed))
@@ -76,6 +74,16 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: To
                             penalties=penalties, row_seeds=device.get("row_seeds"),
                             suppressed=tuple(device["suppressed"]) if "suppressed" in device else None,
                             num_logprobs=num_logprobs)
+
+
+def suppresses_stop_ids(seq: Sequence) -> bool:
+    """Whether the sampler keeps `seq` from drawing its EOS and stop ids this step: it is short of min_tokens."""
+    return bool(seq.min_tokens_stop_ids) and seq.num_completion_tokens < seq.min_tokens
+
+
+def only_temperature(seqs: list[Sequence]) -> bool:
+    """Whether one pass of the temperature sampler draws every token of `seqs`: no control, no suppressed id."""
+    return all(seq.only_temperature and not suppresses_stop_ids(seq) for seq in seqs)
 
 
 class _Shape:

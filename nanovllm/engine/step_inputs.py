@@ -20,6 +20,8 @@ class StepInputs:
         self.device = device
         self.block_size = block_size
         self.decode_order = decode_order  # build AttentionMetadata.decode_order (the Triton backend)
+        # Pack each decode row's temperature too, for decode graphs that sample (cuda_graph.DecodeGraphs).
+        self.decode_temperatures = False
         # Where prefill over an fp8 prefix dequantizes it (attention.triton_attention), or None.
         self.dequant_workspace: torch.Tensor | None = None
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)
@@ -82,7 +84,8 @@ class StepInputs:
     def decode_rows(self, seqs: list[Sequence], rows: int) -> dict[str, np.ndarray]:
         """A decode step's per-row inputs: one token per sequence, its last at position len - 1, then padding
         up to `rows` rows (a CUDA graph's batch size), which hold token 0 at position 0, write no cache slot
-        and read no key, and keep their place in the decode order."""
+        and read no key, and keep their place in the decode order; with decode_temperatures, each row's
+        temperature (the padding rows greedy)."""
         def padded(values: np.ndarray, fill: int) -> np.ndarray:
             if len(values) == rows:
                 return values
@@ -100,6 +103,8 @@ class StepInputs:
             if rows > len(seqs):  # the padding rows keep their place
                 order = np.concatenate([order, np.arange(len(seqs), rows, dtype=np.int32)])
             host["decode_order"] = order
+        if self.decode_temperatures:
+            host["temperatures"] = padded(np.array([seq.temperature for seq in seqs], dtype=np.float32), 0)
         return host
 
     def prepare_decode(self, seqs: list[Sequence], graphs: DecodeGraphs | None = None):
