@@ -56,45 +56,64 @@ def _load_halves(qkv_ptr, src, mask, split_stride, SPLITS: tl.constexpr, D: tl.c
 
 
 @triton.jit
-def normed_rotated(x1, x2, w_ptr, cos_sin_row, eps, HAS_NORM: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr):
-    """Heads given as their halves x1, x2 [rows, D // 2], RMS-normed with the weight at w_ptr (HAS_NORM) and
-    rotated by RoPE's cos_sin_cache row [cos | sin] at cos_sin_row, with the torch ops' roundings (in a kernel
-    launched without FMA contraction): their halves in dtype."""
+def _float_halves(ptr, D: tl.constexpr):
+    """The D values at ptr as float32 halves [1, D // 2]."""
     half = tl.arange(0, D // 2)[None, :]
+    return tl.load(ptr + half).to(tl.float32), tl.load(ptr + D // 2 + half).to(tl.float32)
+
+
+@triton.jit
+def rope_factors(cos_sin_row, w_ptr, HAS_NORM: tl.constexpr, D: tl.constexpr):
+    """What normed_rotated multiplies by, as float32 halves [1, D // 2]: the norm weight's at w_ptr (without
+    HAS_NORM cos and sin again, unused), then RoPE's cos and sin (the cos_sin_cache row at cos_sin_row). No
+    kernel writes them, so a kernel launched under PDL loads them before it waits."""
+    cos, sin = _float_halves(cos_sin_row, D)
+    w1, w2 = cos, sin
+    if HAS_NORM:
+        w1, w2 = _float_halves(w_ptr, D)
+    return w1, w2, cos, sin
+
+
+@triton.jit
+def normed_rotated(x1, x2, w1, w2, cos, sin, eps, HAS_NORM: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr):
+    """Heads given as their halves x1, x2 [rows, D // 2], RMS-normed with the weight's halves w1, w2 (HAS_NORM)
+    and rotated by RoPE's cos, sin (rope_factors loads these), with the torch ops' roundings (in a kernel
+    launched without FMA contraction): their halves in dtype."""
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
         # rms_norm: x * rsqrt(mean(x^2) + eps) in float32, rounded to dtype, then weight * x in dtype
         mean_sq = tl.sum(x1 * x1 + x2 * x2, axis=1)[:, None] / D
         inv_rms = tl.math.rsqrt(mean_sq + eps)
-        x1 = weighted_as_torch(x1, inv_rms, tl.load(w_ptr + half), dtype).to(dtype).to(tl.float32)
-        x2 = weighted_as_torch(x2, inv_rms, tl.load(w_ptr + D // 2 + half), dtype).to(dtype).to(tl.float32)
-    cos = tl.load(cos_sin_row + half)
-    sin = tl.load(cos_sin_row + D // 2 + half)
+        x1 = weighted_as_torch(x1, inv_rms, w1, dtype).to(dtype).to(tl.float32)
+        x2 = weighted_as_torch(x2, inv_rms, w2, dtype).to(dtype).to(tl.float32)
     return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
 
 
 @triton.jit
-def decode_q_storing_kv(qkv_ptr, stride_qkv, qkv_split_stride, token, kv_head, cos_sin_row, q_weight_ptr,
-                        k_weight_ptr, eps, store, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+def decode_q_storing_kv(qkv_ptr, stride_qkv, qkv_split_stride, token, kv_head, q_factors, k_factors, eps, store,
+                        slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                         G: tl.constexpr, G_PAD: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                         D: tl.constexpr, PAGE: tl.constexpr, QKV_SPLITS: tl.constexpr, HAS_NORM: tl.constexpr,
                         FP8: tl.constexpr, dtype: tl.constexpr):
     """For the decode kernel, what _qk_norm_rope_kernel computes of one token's kv head: its G query heads
     [G_PAD, D] (rows >= G zero), normed and rotated; and, if `store`, its k (normed, rotated) and v written to
-    cache slot `slot` as _store_heads writes them. The caller barriers before it reads the cache."""
+    cache slot `slot` as _store_heads writes them. q_factors, k_factors: rope_factors of the token's cos/sin row
+    and the q, k norm weights. The caller barriers before it reads the cache."""
     g = tl.arange(0, G_PAD)[:, None]
     half = tl.arange(0, D // 2)[None, :]
     src = token * stride_qkv + (kv_head * G + g) * D + half
+    k_src = token * stride_qkv + (NUM_HEADS + kv_head) * D + half  # [1, D // 2]; the v head NUM_KV_HEADS heads on
+    stored = tl.where(half < D // 2, store, False)  # store, as a tensor mask
+    # The q, k and v heads are loaded together, k and v only where stored: one L2 round trip before the math,
+    # where loading k and v inside `if store` took two more on the storing program's path, the kernel's longest.
     x1, x2 = _load_halves(qkv_ptr, src, g < G, qkv_split_stride, QKV_SPLITS, D, dtype)
-    y1, y2 = normed_rotated(x1, x2, q_weight_ptr, cos_sin_row, eps, HAS_NORM, D, dtype)
+    k1, k2 = _load_halves(qkv_ptr, k_src, stored, qkv_split_stride, QKV_SPLITS, D, dtype)
+    v1, v2 = _load_halves(qkv_ptr, k_src + NUM_KV_HEADS * D, stored, qkv_split_stride, QKV_SPLITS, D, dtype)
+    y1, y2 = normed_rotated(x1, x2, *q_factors, eps, HAS_NORM, D, dtype)
     q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (G_PAD, D))  # the halves side by side
-    if store:  # [1, D // 2] halves of the k head, then of the v head NUM_KV_HEADS heads on
-        k_src = token * stride_qkv + (NUM_HEADS + kv_head) * D + half
-        k1, k2 = _load_halves(qkv_ptr, k_src, None, qkv_split_stride, QKV_SPLITS, D, dtype)
-        k1, k2 = normed_rotated(k1, k2, k_weight_ptr, cos_sin_row, eps, HAS_NORM, D, dtype)
+    if store:
+        k1, k2 = normed_rotated(k1, k2, *k_factors, eps, HAS_NORM, D, dtype)
         _store_heads(k1, k2, k_cache_ptr, k_scale_ptr, slot, kv_head, 1, NUM_KV_HEADS, D, PAGE, FP8, IS_V=False)
-        v_src = k_src + NUM_KV_HEADS * D
-        v1, v2 = _load_halves(qkv_ptr, v_src, None, qkv_split_stride, QKV_SPLITS, D, dtype)
         _store_heads(v1, v2, v_cache_ptr, v_scale_ptr, slot, kv_head, 1, NUM_KV_HEADS, D, PAGE, FP8, IS_V=True)
     return q
 
@@ -133,15 +152,23 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
                          FP8: tl.constexpr, PDL: tl.constexpr):
     """qkv is loaded through load_split_sum (QKV_SPLITS, qkv_split_stride: skinny_gemm.split_operand); when
     it is a SplitKSum (QKV_SPLITS > 0), the v heads are also written to v_ptr [tokens, NUM_KV_HEADS, D]."""
-    if PDL:  # launched while the qkv projection runs: wait for it before reading anything
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     # HEADS consecutive heads: of the q heads, then the k heads, then (with STORE or QKV_SPLITS) the v heads.
     # HEADS divides NUM_HEADS and NUM_KV_HEADS, so they are all of one kind.
     head = tl.program_id(1) * HEADS
     heads = head + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     half = tl.arange(0, D // 2)[None, :]
+    is_q = head < NUM_HEADS
+    w_ptr = q_weight_ptr  # None without the norm
+    if HAS_NORM:
+        if not is_q:
+            w_ptr = k_weight_ptr
+    # The norm weight and cos/sin (positions too: the host's) are loaded before the wait for the qkv projection.
+    factors = rope_factors(cos_sin_ptr + tl.load(positions_ptr + token) * stride_cs, w_ptr, HAS_NORM, D)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     # The heads lie in this order in a qkv row too, so `heads` indexes all of them.
     src = token * stride_qkv + heads * D + half
     dtype = q_ptr.dtype.element_ty
@@ -159,13 +186,7 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
                 _store_heads(x1, x2, v_cache_ptr, v_scale_ptr, slot, v_head, HEADS, NUM_KV_HEADS, D, PAGE, FP8,
                              IS_V=True)
         return
-    is_q = head < NUM_HEADS
-    w_ptr = q_weight_ptr  # None without the norm
-    if HAS_NORM:
-        if not is_q:
-            w_ptr = k_weight_ptr
-    y1, y2 = normed_rotated(x1, x2, w_ptr, cos_sin_ptr + tl.load(positions_ptr + token) * stride_cs, eps,
-                            HAS_NORM, D, dtype)
+    y1, y2 = normed_rotated(x1, x2, *factors, eps, HAS_NORM, D, dtype)
     if is_q:
         dst = q_ptr + (token * NUM_HEADS + heads) * D + half
     else:

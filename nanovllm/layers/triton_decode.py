@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.qk_norm_rope import NormRopeInputs, decode_q_storing_kv
+from nanovllm.layers.qk_norm_rope import NormRopeInputs, decode_q_storing_kv, rope_factors
 from nanovllm.layers.skinny_gemm import split_operand
 from nanovllm.layers.triton_attention import (
     LOG2E,
@@ -102,8 +102,9 @@ def _decode_kernel(
 
     With PDL the kernel is launched while the q/k norm + RoPE kernel before it still runs and stores this
     step's K/V. Until gdc_wait it reads only what the host wrote before the step (context lengths, order,
-    block tables; FROM_QKV: positions, slots); with PREFETCH it also asks L2 for its first tile of K/V, whose
-    stale lines the store then overwrites in L2, the GPU's point of coherence.
+    block tables; FROM_QKV: positions, slots) and what no kernel writes (FROM_QKV: the q/k norm weights and
+    cos/sin); with PREFETCH it also asks L2 for its first tile of K/V, whose stale lines the store then
+    overwrites in L2, the GPU's point of coherence.
 
     FROM_QKV: q is not in memory; each program computes its G heads from the qkv projection as the q/k norm +
     RoPE kernel would (qk_norm_rope.decode_q_storing_kv), and the one whose split holds the newest key first
@@ -125,8 +126,10 @@ def _decode_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if FROM_QKV:  # host-written inputs, read before the wait
+    if FROM_QKV:  # host-written inputs, the norm weights and cos/sin, read before the wait
         cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq) * stride_cs
+        q_factors = rope_factors(cos_sin_row, q_weight_ptr, HAS_NORM, D)
+        k_factors = rope_factors(cos_sin_row, k_weight_ptr, HAS_NORM, D)
         slot = tl.load(slot_mapping_ptr + seq)
     if PDL:
         if PREFETCH:
@@ -142,10 +145,10 @@ def _decode_kernel(
     head_mask = (g < G)[:, None]
     if FROM_QKV:  # this program's split holds the newest key: it stores that token's K/V first
         newest = (start <= ctx - 1) & (ctx - 1 < end) & (slot != -1)
-        q = decode_q_storing_kv(qkv_ptr, stride_qkv, qkv_split_stride, seq.to(tl.int64), kv_head, cos_sin_row,
-                                q_weight_ptr, k_weight_ptr, eps, newest, slot, k_ptr, v_ptr, k_scale_ptr,
-                                v_scale_ptr, G, G_PAD, G * NUM_KV_HEADS, NUM_KV_HEADS, D, PAGE, QKV_SPLITS,
-                                HAS_NORM, FP8, out_ptr.dtype.element_ty)
+        q = decode_q_storing_kv(qkv_ptr, stride_qkv, qkv_split_stride, seq.to(tl.int64), kv_head, q_factors,
+                                k_factors, eps, newest, slot, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, G, G_PAD,
+                                G * NUM_KV_HEADS, NUM_KV_HEADS, D, PAGE, QKV_SPLITS, HAS_NORM, FP8,
+                                out_ptr.dtype.element_ty)
         tl.debug_barrier()  # the stores before any thread's loads of the cache
     else:
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
