@@ -218,7 +218,8 @@ def test_decode_num_splits_heuristic():
     dev = torch.device("cpu")
     assert triton_decode._decode_num_splits(256, 8, 1024, dev) == 1
     assert triton_decode._decode_num_splits(1, 8, 64, dev) == 1
-    assert triton_decode._decode_num_splits(1, 8, 4096, dev) == 32  # >= 128 keys per split
+    assert triton_decode._decode_num_splits(1, 8, 4096, dev) == 16  # >= 256 keys per split
+    assert triton_decode._decode_num_splits(1, 8, 8192, dev) == 32  # 256 programs on 132 SMs
     assert triton_decode._decode_num_splits(8, 8, 4096, dev) == 8  # 512 programs on 132 SMs
     assert triton_decode._decode_num_splits(64, 8, 4096, dev) == 1
 

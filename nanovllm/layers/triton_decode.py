@@ -233,9 +233,13 @@ PREFETCH_MIN_SPLITS = 8
 
 
 def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Power-of-two split count: up to ~4 programs per SM, keeping >= 128 keys per split."""
+    """Power-of-two split count: up to ~4 programs per SM, keeping >= 256 keys per split of the longest context.
+    A split takes whole 128-key tiles of its sequence's context, so at shorter contexts fewer splits get work,
+    and the others only compute q and store empty partials: a batch-1 step over 1,000-2,000 keys with 16 splits
+    (of max_model_len 4,096) is faster than with 32 (H200, single stream 1,290 against 1,251-1,267 tok/s;
+    BENCHMARKS.md, twenty-fourth session)."""
     splits, target = 1, 4 * num_sms(device)
-    while batch * num_kv_heads * splits * 2 <= target and splits * 256 <= max_context and splits < 64:
+    while batch * num_kv_heads * splits * 2 <= target and splits * 512 <= max_context and splits < 64:
         splits *= 2
     return splits
 
@@ -353,7 +357,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     )
     if num_splits > 1 and not last_split_merges:
         # One warp a head: its sums over the splits take shuffles only, no shared memory and barriers. H200, batch 1
-        # (32 splits): 1.5 against 2.1 µs a layer with 4 warps, 2.6 with 2 (BENCHMARKS.md, twenty-second session).
+        # (then 32 splits): 1.5 against 2.1 µs a layer with 4 warps, 2.6 with 2 (BENCHMARKS.md, twenty-second session).
         _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
                                       D=D, NUM_SPLITS=num_splits, PDL=pdl, num_warps=1, launch_pdl=pdl)
     return out
