@@ -236,7 +236,7 @@ def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     """Power-of-two split count: up to ~4 programs per SM, keeping >= 256 keys per split of the longest context.
     A split takes whole 128-key tiles of its sequence's context, so at shorter contexts fewer splits get work,
     and the others only compute q and store empty partials: a batch-1 step over 1,000-2,000 keys with 16 splits
-    (of max_model_len 4,096) is faster than with 32 (H200, single stream 1,290 against 1,251-1,267 tok/s;
+    (of max_model_len 4,096) is faster than with 32 (H200, single stream 1,290-1,299 against 1,251-1,268 tok/s;
     BENCHMARKS.md, twenty-fourth session)."""
     splits, target = 1, 4 * num_sms(device)
     while batch * num_kv_heads * splits * 2 <= target and splits * 512 <= max_context and splits < 64:
