@@ -110,14 +110,22 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
     """A decode layer's MLP chain of Triton kernels replayed from a CUDA graph gives the same bits with PDL
     (kernels overlapping the one before) as without: norm, gate/up GEMM, SiLU, down GEMM (each summed), and
     as the engine runs decode, norm, gate/up + SiLU in one kernel, down leaving its split-K partials to
-    the next norm. No kernel reads its input before the kernel writing it has finished."""
-    from nanovllm.layers.skinny_gemm import skinny_linear, skinny_swiglu
+    the next norm. No kernel reads its input before the kernel writing it has finished. Both runs take the
+    GEMMs' launch configuration with PDL (down_proj's split count differs without it, and so would its sum's
+    bits), so that only the overlap differs."""
+    from nanovllm.layers.skinny_gemm import launch_config, skinny_linear, skinny_swiglu
+    from nanovllm.utils.device import num_sms
 
     gen = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(2, 4, 1024, generator=gen)).to(DEVICE, torch.bfloat16)
     gate_up_w = (torch.randn(6144, 1024, generator=gen) / 32).to(DEVICE, torch.bfloat16)
     down_w = (torch.randn(1024, 3072, generator=gen) / 55).to(DEVICE, torch.bfloat16)
     norm = RMSNorm(1024).to(DEVICE, torch.bfloat16)
+
+    def linear(x, weight, defer_sum=False):
+        config = launch_config(*weight.shape, num_sms(weight.device), pdl=True)
+        return skinny_linear(x, weight, defer_sum=defer_sum, block_k=config.block_k, split_k=config.split_k,
+                             num_stages=config.num_stages)
 
     def layers(as_engine: bool):
         h, res = x, residual
@@ -126,8 +134,8 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
             if as_engine:
                 act = skinny_swiglu(normed, gate_up_w)
             else:
-                act = silu_and_mul_triton(skinny_linear(normed, gate_up_w))
-            h = skinny_linear(act, down_w, defer_sum=as_engine)
+                act = silu_and_mul_triton(linear(normed, gate_up_w))
+            h = linear(act, down_w, defer_sum=as_engine)
         return summed(h), res
 
     for as_engine in (False, True):

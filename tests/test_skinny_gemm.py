@@ -19,7 +19,9 @@ import torch.nn.functional as F  # noqa: E402
 from nanovllm.layers import linear as linear_module  # noqa: E402
 from nanovllm.layers.activation import silu_and_mul_triton  # noqa: E402
 from nanovllm.layers.skinny_gemm import (  # noqa: E402
+    ONE_TILE_K,
     SKINNY_MAX_ROWS,
+    LaunchConfig,
     SplitKSum,
     gated_launch_config,
     launch_config,
@@ -115,8 +117,38 @@ def test_launch_config_is_valid(N, K):
         assert block >= 16 and block & (block - 1) == 0
     assert 1 <= config.split_k and config.split_k * config.block_k <= max(K, config.block_k)
     assert config.num_warps in (1, 2, 4, 8, 16) and config.num_stages >= 1
-    # With PDL the first tile is loaded before the pipelined loop, which takes one stage fewer.
-    assert launch_config(N, K, sms=132, pdl=True) == dataclasses.replace(config, num_stages=config.num_stages - 1)
+    # With PDL the first tile is loaded before the pipelined loop, which takes one stage fewer; narrow splits
+    # become one ONE_TILE_K tile a program (at most twice the splits), loaded before the wait, no loop.
+    with_pdl = launch_config(N, K, sms=132, pdl=True)
+    if with_pdl.block_k == ONE_TILE_K and with_pdl.num_stages == 1:
+        assert with_pdl.split_k * ONE_TILE_K == K and config.split_k < with_pdl.split_k * 2 <= 4 * config.split_k
+        assert dataclasses.replace(with_pdl, block_k=config.block_k, split_k=config.split_k, num_stages=4) == config
+    else:
+        assert with_pdl == dataclasses.replace(config, num_stages=config.num_stages - 1)
+
+
+def test_launch_config_at_the_qwen3_shapes():
+    """With PDL every Qwen3-0.6B projection takes one 64 x 256 weight tile a program (gate/up too, which decode runs
+    through skinny_swiglu instead); without PDL, and at wide splits, the pipelined loop over 128-wide tiles."""
+    one_tile = {name: launch_config(N, K, sms=132, pdl=True) for name, (N, K) in QWEN3_06B_SHAPES.items()}
+    assert {name: (c.block_k, c.split_k, c.num_stages) for name, c in one_tile.items()} == {
+        "qkv_proj": (256, 4, 1), "o_proj": (256, 8, 1), "gate_up_proj": (256, 4, 1), "down_proj": (256, 12, 1)}
+    assert launch_config(*QWEN3_06B_SHAPES["down_proj"], sms=132) == LaunchConfig(64, 128, 8, 4, 4)  # no PDL
+    assert launch_config(24576, 4096, sms=132, pdl=True) == LaunchConfig(64, 128, 1, 4, 3)  # wide: the loop
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_one_tile_splits_match_reference(M):
+    """The one-tile configuration (here without PDL, as on CPU) at down_proj's K: 12 splits of 256."""
+    N, K = 128, QWEN3_06B_SHAPES["down_proj"][1]
+    x, weight, b = make_inputs(M, N, K, torch.float16, bias=True)
+    config = launch_config(1024, K, sms=132, pdl=True)
+    y = skinny_linear(x, weight, b, block_k=config.block_k, split_k=config.split_k, num_stages=config.num_stages)
+    check(y, x, weight, b)
+    deferred = skinny_linear(x, weight, defer_sum=True, block_k=config.block_k, split_k=config.split_k,
+                             num_stages=config.num_stages)
+    assert deferred.parts.shape == (12, M, N)
+    check(deferred.sum(), x, weight, None)
 
 
 def test_linear_uses_f_linear_on_cpu(monkeypatch):

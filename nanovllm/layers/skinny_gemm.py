@@ -22,6 +22,9 @@ programmatic dependent launch (utils.device.pdl_enabled) the kernel starts while
 (norm, activation, attention) still runs: each program asks L2 for the start of its weight slice,
 which no earlier kernel writes, loads its first weight tile into registers, and only then waits for
 that kernel's output, x (the load into registers: single stream +6% on the H200, BENCHMARKS.md).
+Where the splits are narrow, K is split further until each program's slice is one tile of
+ONE_TILE_K: the whole slice then loads before the wait, and after it the program makes one round
+trip (x), not one a tile.
 """
 
 import dataclasses
@@ -36,6 +39,9 @@ SKINNY_MAX_ROWS = 16
 # With PDL, lines of 64 16-bit weights (128 bytes) each weight row of a program prefetches into L2 before
 # waiting for the kernel before: 16 lines of 64 rows are 128 KiB per program, 8 prefetches per thread.
 PREFETCH_MAX_LINES = 16
+# With PDL, a split of K at most twice this wide becomes splits of exactly this width (a [64, 256] weight tile,
+# 32 KiB in 16 bits: 16 loads a thread at 4 warps), each program's whole slice loaded before its wait.
+ONE_TILE_K = 256
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,12 +59,18 @@ def launch_config(N: int, K: int, sms: int, pdl: bool = False) -> LaunchConfig:
     two programs per SM. The H200 sweep (scripts/bench_gemm.py --sweep, BENCHMARKS.md) found the best
     configs within ~10% of these and no dependence on the number of rows. With PDL (`pdl`) the kernel
     loads its first tile before its pipelined loop, which then does better with 3 stages than with 4
-    (H200: single stream +2%, BENCHMARKS.md)."""
+    (H200: single stream +2%, BENCHMARKS.md); and where that leaves each split at most 2 * ONE_TILE_K of
+    K (K a multiple of ONE_TILE_K), K is split into ONE_TILE_K-wide tiles, one a program, loaded whole
+    before the wait (no pipelined loop runs: one stage). At Qwen3-0.6B's shapes: qkv 4 splits, o 8, down
+    12 instead of 8 splits of 384 (so down's sums, in another order, differ in their last bits with and
+    without PDL); H200 single stream +6%, 8 streams +5% (BENCHMARKS.md, twenty-fifth session)."""
     block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(K)))
     tiles_n = triton.cdiv(N, block_n)
     split_k = 1
     while tiles_n * split_k < 2 * sms and split_k < 8 and K >= 4 * split_k * block_k:
         split_k *= 2
+    if pdl and K % ONE_TILE_K == 0 and K <= 2 * ONE_TILE_K * split_k:
+        return LaunchConfig(block_n, ONE_TILE_K, K // ONE_TILE_K, num_warps=4, num_stages=1)
     return LaunchConfig(block_n, block_k, split_k, num_warps=4, num_stages=3 if pdl else 4)
 
 
