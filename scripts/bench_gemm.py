@@ -141,12 +141,6 @@ def layer_chain(M, layers, overrides, one_layer=False):
     return run
 
 
-def pdl_launch(N, K):
-    """skinny_linear's keyword arguments for the launch configuration it takes with PDL."""
-    config = sg.launch_config(N, K, sg.num_sms(torch.device(DEV)), pdl=True)
-    return dict(block_n=config.block_n, block_k=config.block_k, split_k=config.split_k, num_stages=config.num_stages)
-
-
 def run_chain(rows):
     layers = 28
     emit(f"== {layers} layers of Qwen3-0.6B decode linears + norms + SiLU (attention aside), one CUDA graph; "
@@ -164,7 +158,9 @@ def run_chain(rows):
         emit(f"{M:>3} " + " ".join(f"{t:13.2f}" if t is not None else f"{'-':>13}" for t in times))
     # The same kernels launched with and without PDL must agree bit for bit, eagerly and from a graph. Both take
     # the launch configurations of PDL (without it down_proj splits K in another count, which changes its bits).
-    with_pdl = {layer: pdl_launch(N, K) for model, layer, N, K in SHAPES if model == "0.6B"}
+    sms = sg.num_sms(torch.device(DEV))
+    with_pdl = {layer: dataclasses.asdict(sg.launch_config(N, K, sms, pdl=True))
+                for model, layer, N, K in SHAPES if model == "0.6B"}
     for M in (1, 8):
         with pdl_setting(False):
             expected = layer_chain(M, layers, with_pdl)()

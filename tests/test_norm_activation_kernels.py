@@ -7,6 +7,8 @@ kernel's exp may differ from torch's in the last float32 bit, which rarely moves
 one ulp.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -124,8 +126,7 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
 
     def linear(x, weight, defer_sum=False):
         config = launch_config(*weight.shape, num_sms(weight.device), pdl=True)
-        return skinny_linear(x, weight, defer_sum=defer_sum, block_k=config.block_k, split_k=config.split_k,
-                             num_stages=config.num_stages)
+        return skinny_linear(x, weight, defer_sum=defer_sum, **dataclasses.asdict(config))
 
     def layers(as_engine: bool):
         h, res = x, residual

@@ -142,11 +142,9 @@ def test_one_tile_splits_match_reference(M):
     """The one-tile configuration (here without PDL, as on CPU) at down_proj's K: 12 splits of 256."""
     N, K = 128, QWEN3_06B_SHAPES["down_proj"][1]
     x, weight, b = make_inputs(M, N, K, torch.float16, bias=True)
-    config = launch_config(1024, K, sms=132, pdl=True)
-    y = skinny_linear(x, weight, b, block_k=config.block_k, split_k=config.split_k, num_stages=config.num_stages)
-    check(y, x, weight, b)
-    deferred = skinny_linear(x, weight, defer_sum=True, block_k=config.block_k, split_k=config.split_k,
-                             num_stages=config.num_stages)
+    config = dataclasses.asdict(launch_config(1024, K, sms=132, pdl=True))
+    check(skinny_linear(x, weight, b, **config), x, weight, b)
+    deferred = skinny_linear(x, weight, defer_sum=True, **config)
     assert deferred.parts.shape == (12, M, N)
     check(deferred.sum(), x, weight, None)
 
