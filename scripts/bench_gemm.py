@@ -58,7 +58,7 @@ def default_row(model, layer, N, K, M, copy_bw):
     err = (sg.skinny_linear(x, weight).float() - F.linear(x, weight).float()).abs().max().item()
     t_ref = bench(lambda: F.linear(x, weight))
     t = bench(lambda: sg.skinny_linear(x, weight))
-    config = sg.launch_config(N, K, sg.num_sms(x.device), sg.pdl_enabled(x.device))
+    config = sg.launch_config(N, K, sg.num_sms(x.device), sg.pdl_enabled(x.device), M)
     emit(f"{model:>5} {layer:>8} {N:>6} {K:>6} {M:>3} {t_ref * 1e3:9.2f} {tbps(N, K, t_ref):5.2f} "
          f"{t * 1e3:9.2f} {tbps(N, K, t):5.2f} {100 * tbps(N, K, t) * 1e12 / copy_bw:5.1f} "
          f"{t_ref / t:7.2f} {err:8.1e}  {short(config)}")
@@ -159,9 +159,9 @@ def run_chain(rows):
     # The same kernels launched with and without PDL must agree bit for bit, eagerly and from a graph. Both take
     # the launch configurations of PDL (without it down_proj splits K in another count, which changes its bits).
     sms = sg.num_sms(torch.device(DEV))
-    with_pdl = {layer: dataclasses.asdict(sg.launch_config(N, K, sms, pdl=True))
-                for model, layer, N, K in SHAPES if model == "0.6B"}
     for M in (1, 8):
+        with_pdl = {layer: dataclasses.asdict(sg.launch_config(N, K, sms, pdl=True, rows=M))
+                    for model, layer, N, K in SHAPES if model == "0.6B"}
         with pdl_setting(False):
             expected = layer_chain(M, layers, with_pdl)()
         with pdl_setting(True):
@@ -227,7 +227,7 @@ def sweep_shape(model, layer, N, K, M):
     """Coordinate search from the default: tile (bn, bk), then split_k, then (num_warps, num_stages)."""
     x, weight = inputs(M, N, K)
     expected = F.linear(x, weight)
-    default = sg.launch_config(N, K, sg.num_sms(x.device), sg.pdl_enabled(x.device))
+    default = sg.launch_config(N, K, sg.num_sms(x.device), sg.pdl_enabled(x.device), M)
     results = {}  # config -> milliseconds, or why it has none
 
     def time_config(config):

@@ -108,7 +108,8 @@ def test_modules_use_the_kernels_on_cuda(monkeypatch):
 
 
 @needs_cuda
-def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
+@pytest.mark.parametrize("rows", [4, 8])  # from 8 rows down_proj takes 512-wide tiles at 8 warps
+def test_programmatic_dependent_launch_changes_no_result(monkeypatch, rows):
     """A decode layer's MLP chain of Triton kernels replayed from a CUDA graph gives the same bits with PDL
     (kernels overlapping the one before) as without: norm, gate/up GEMM, SiLU, down GEMM (each summed), and
     as the engine runs decode, norm, gate/up + SiLU in one kernel, down leaving its split-K partials to
@@ -119,13 +120,13 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
     from nanovllm.utils.device import num_sms
 
     gen = torch.Generator().manual_seed(0)
-    x, residual = (torch.randn(2, 4, 1024, generator=gen)).to(DEVICE, torch.bfloat16)
+    x, residual = (torch.randn(2, rows, 1024, generator=gen)).to(DEVICE, torch.bfloat16)
     gate_up_w = (torch.randn(6144, 1024, generator=gen) / 32).to(DEVICE, torch.bfloat16)
     down_w = (torch.randn(1024, 3072, generator=gen) / 55).to(DEVICE, torch.bfloat16)
     norm = RMSNorm(1024).to(DEVICE, torch.bfloat16)
 
     def linear(x, weight, defer_sum=False):
-        config = launch_config(*weight.shape, num_sms(weight.device), pdl=True)
+        config = launch_config(*weight.shape, num_sms(weight.device), pdl=True, rows=x.shape[0])
         return skinny_linear(x, weight, defer_sum=defer_sum, **dataclasses.asdict(config))
 
     def layers(as_engine: bool):

@@ -19,8 +19,10 @@ import torch.nn.functional as F  # noqa: E402
 from nanovllm.layers import linear as linear_module  # noqa: E402
 from nanovllm.layers.activation import silu_and_mul_triton  # noqa: E402
 from nanovllm.layers.skinny_gemm import (  # noqa: E402
+    MAX_ONE_TILE_PARTIALS,
     ONE_TILE_K,
     SKINNY_MAX_ROWS,
+    WIDE_TILE_MIN_ROWS,
     LaunchConfig,
     SplitKSum,
     gated_launch_config,
@@ -137,15 +139,29 @@ def test_launch_config_at_the_qwen3_shapes():
     assert launch_config(24576, 4096, sms=132, pdl=True) == LaunchConfig(64, 128, 1, 4, 3)  # wide: the loop
 
 
-@pytest.mark.parametrize("M", [1, 5])
-def test_one_tile_splits_match_reference(M):
-    """The one-tile configuration (here without PDL, as on CPU) at down_proj's K: 12 splits of 256."""
+def test_wide_tiles_from_8_rows():
+    """From WIDE_TILE_MIN_ROWS rows, one-tile splits leaving more than MAX_ONE_TILE_PARTIALS partials (down_proj's
+    12) take tiles twice as wide at 8 warps; o_proj's 8 and qkv's 4 stay, and so does everything at 7 rows."""
+    assert (WIDE_TILE_MIN_ROWS, MAX_ONE_TILE_PARTIALS) == (8, 8)
+    for rows in (8, 16):
+        configs = {name: launch_config(N, K, sms=132, pdl=True, rows=rows) for name, (N, K) in QWEN3_06B_SHAPES.items()}
+        assert configs["down_proj"] == LaunchConfig(64, 512, 6, 8, 1)
+        assert configs["o_proj"] == LaunchConfig(64, 256, 8, 4, 1)
+        assert configs["qkv_proj"] == LaunchConfig(64, 256, 4, 4, 1)
+    assert launch_config(*QWEN3_06B_SHAPES["down_proj"], sms=132, pdl=True, rows=7) == LaunchConfig(64, 256, 12, 4, 1)
+    assert launch_config(*QWEN3_06B_SHAPES["down_proj"], sms=132, rows=8) == LaunchConfig(64, 128, 8, 4, 4)  # no PDL
+
+
+@pytest.mark.parametrize("M, splits", [(1, 12), (5, 12), (8, 6), (16, 6)])
+def test_one_tile_splits_match_reference(M, splits):
+    """PDL's configurations (here run without PDL, as on CPU) at down_proj's K: 12 splits of 256, from 8 rows
+    6 of 512 at 8 warps."""
     N, K = 128, QWEN3_06B_SHAPES["down_proj"][1]
     x, weight, b = make_inputs(M, N, K, torch.float16, bias=True)
-    config = dataclasses.asdict(launch_config(1024, K, sms=132, pdl=True))
+    config = dataclasses.asdict(launch_config(1024, K, sms=132, pdl=True, rows=M))
     check(skinny_linear(x, weight, b, **config), x, weight, b)
     deferred = skinny_linear(x, weight, defer_sum=True, **config)
-    assert deferred.parts.shape == (12, M, N)
+    assert deferred.parts.shape == (splits, M, N)
     check(deferred.sum(), x, weight, None)
 
 

@@ -42,6 +42,10 @@ PREFETCH_MAX_LINES = 16
 # With PDL, a split of K at most twice this wide becomes splits of exactly this width (a [64, 256] weight tile,
 # 32 KiB in 16 bits: 16 loads a thread at 4 warps), each program's whole slice loaded before its wait.
 ONE_TILE_K = 256
+# ... but from this many rows of x, one-tile splits that would leave more partials than this take tiles twice as
+# wide (launch_config).
+WIDE_TILE_MIN_ROWS = 8
+MAX_ONE_TILE_PARTIALS = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,7 +57,7 @@ class LaunchConfig:
     num_stages: int
 
 
-def launch_config(N: int, K: int, sms: int, pdl: bool = False) -> LaunchConfig:
+def launch_config(N: int, K: int, sms: int, pdl: bool = False, rows: int = 1) -> LaunchConfig:
     """Default tiles for x [M, K] @ weight [N, K].T: 64 x 128 weight tiles (16 KiB in 16 bits), and
     K split (by powers of two, at most 8, each split keeping >= 2 K tiles) until there are about
     two programs per SM. The H200 sweep (scripts/bench_gemm.py --sweep, BENCHMARKS.md) found the best
@@ -63,14 +67,20 @@ def launch_config(N: int, K: int, sms: int, pdl: bool = False) -> LaunchConfig:
     K (K a multiple of ONE_TILE_K), K is split into ONE_TILE_K-wide tiles, one a program, loaded whole
     before the wait (no pipelined loop runs: one stage). At Qwen3-0.6B's shapes: qkv 4 splits, o 8, down
     12 instead of 8 splits of 384 (so down's sums, in another order, differ in their last bits with and
-    without PDL); H200 single stream +6%, 8 streams +5% (BENCHMARKS.md, twenty-fifth session)."""
+    without PDL); H200 single stream +6%, 8 streams +5% (BENCHMARKS.md, twenty-fifth session). From
+    WIDE_TILE_MIN_ROWS `rows` of x, where that would leave more than MAX_ONE_TILE_PARTIALS partials for the
+    kernel that sums them, the tiles are 2 * ONE_TILE_K wide at 8 warps instead (down_proj: 6 splits of 512):
+    H200, 8 streams +2.3%, while at batch 1 they were 4.6% slower (twenty-fifth and twenty-sixth sessions)."""
     block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(K)))
     tiles_n = triton.cdiv(N, block_n)
     split_k = 1
     while tiles_n * split_k < 2 * sms and split_k < 8 and K >= 4 * split_k * block_k:
         split_k *= 2
     if pdl and K % ONE_TILE_K == 0 and K <= 2 * ONE_TILE_K * split_k:
-        return LaunchConfig(block_n, ONE_TILE_K, K // ONE_TILE_K, num_warps=4, num_stages=1)
+        one_tile_splits = K // ONE_TILE_K
+        if rows >= WIDE_TILE_MIN_ROWS and one_tile_splits > MAX_ONE_TILE_PARTIALS and one_tile_splits % 2 == 0:
+            return LaunchConfig(block_n, 2 * ONE_TILE_K, one_tile_splits // 2, num_warps=8, num_stages=1)
+        return LaunchConfig(block_n, ONE_TILE_K, one_tile_splits, num_warps=4, num_stages=1)
     return LaunchConfig(block_n, block_k, split_k, num_warps=4, num_stages=3 if pdl else 4)
 
 
@@ -261,7 +271,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     M, K = x.shape
     N = weight.shape[0]
     _check_operands(x, weight, bias, N)
-    config = _overridden(launch_config(N, K, num_sms(x.device), pdl_enabled(x.device)), block_n=block_n,
+    config = _overridden(launch_config(N, K, num_sms(x.device), pdl_enabled(x.device), M), block_n=block_n,
                          block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
