@@ -31,6 +31,7 @@ from nanovllm.layers.skinny_gemm import (  # noqa: E402
     skinny_swiglu,
     summed,
 )
+from nanovllm.layers.split_softmax import SplitSoftmax  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -163,6 +164,42 @@ def test_one_tile_splits_match_reference(M, splits):
     deferred = skinny_linear(x, weight, defer_sum=True, **config)
     assert deferred.parts.shape == (splits, M, N)
     check(deferred.sum(), x, weight, None)
+
+
+def split_softmax(M, heads, splits, head_dim, dtype, seed=0) -> SplitSoftmax:
+    """Decode attention's partials as the decode kernel leaves them: per split a max m (log2 domain), a sum l of
+    weights <= 1 under it, and acc of that scale; split 1 of row 0 saw no key (m -1e30, l and acc 0), and the
+    last row none at all (a padding row)."""
+    gen = torch.Generator().manual_seed(seed)
+    m = 4 * torch.randn(M, heads, splits, generator=gen)
+    l = 1 + 20 * torch.rand(M, heads, splits, generator=gen)  # noqa: E741
+    acc = torch.randn(M, heads, splits, head_dim, generator=gen) * l[..., None]
+    for empty in ((0, slice(None), 1), (M - 1,)):
+        m[empty], l[empty], acc[empty] = -1.0e30, 0.0, 0.0
+    return SplitSoftmax(acc.to(DEVICE), m.to(DEVICE), l.to(DEVICE), dtype)
+
+
+@pytest.mark.parametrize("M, heads, head_dim, config", [
+    (1, 16, 128, dict(block_k=256, split_k=8, num_stages=1)),  # o_proj at batch 1, one tile of 2 heads a program
+    (8, 16, 128, dict(block_k=256, split_k=8, num_stages=1)),
+    (3, 16, 128, {}),  # the default config's 128-wide tiles: a head a tile
+    (5, 5, 64, dict(block_k=256, split_k=2)),  # 4 heads a tile, the last tile a head and three past K
+    (4, 4, 256, dict(block_k=128)),  # tiles narrower than a head: merged first
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_softmax_input_is_merged_as_it_loads(M, heads, head_dim, config, bias):
+    """x a SplitSoftmax: the GEMM merges it as it loads its tiles, to the bits of merging first, and to the merged
+    values' reference."""
+    x = split_softmax(M, heads, 4, head_dim, torch.float16)
+    _, weight, b = make_inputs(M, 96, heads * head_dim, torch.float16, bias=bias)
+    merged = x.merge().flatten(1, -1)
+    assert merged.shape == x.shape == (M, heads * head_dim) and (merged[-1] == 0).all()
+    y = skinny_linear(x, weight, b, **config)
+    assert torch.equal(y, skinny_linear(merged, weight, b, **config))
+    check(y, merged, weight, b)
+    if not bias:
+        deferred = skinny_linear(x, weight, defer_sum=True, **config)
+        assert torch.equal(summed(deferred), summed(skinny_linear(merged, weight, defer_sum=True, **config)))
 
 
 def test_linear_uses_f_linear_on_cpu(monkeypatch):

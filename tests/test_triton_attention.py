@@ -22,6 +22,7 @@ from nanovllm.layers.kv_cache import quantize_cache_fp8, quantize_fp8, v_token_m
 from nanovllm.layers.qk_norm_rope import NormRopeInputs, qk_norm_rope  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, default_inv_freq  # noqa: E402
 from nanovllm.layers.skinny_gemm import SplitKSum  # noqa: E402
+from nanovllm.layers.split_softmax import SplitSoftmax  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -124,6 +125,25 @@ def test_decode_split_k(num_splits, h):
     # merges its group's heads a few at a time (_merge_heads: 4 of 8 at h=16, 1 of 3 at h=6); from 16, the
     # reduce kernel does.
     check_decode([700, 3, 0, 129, 0], 16, h, 2, 32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [2, 8, 16, 32])
+def test_decode_defer_merge(num_splits):
+    """With defer_merge, splits that the kernel's last split does not merge (more than 8) come back as their partials,
+    a SplitSoftmax whose merge() is the output without defer_merge, bit for bit; up to 8 the output itself."""
+    lens, h, kvh, d = [700, 3, 0, 129, 0], 4, 2, 32
+    q, (k_cache, v_cache, tables, ctx, scale), out, _ = run_decode(lens, 16, h, kvh, d, num_splits=num_splits)
+    deferred = triton_decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=num_splits,
+                                                    defer_merge=True)
+    if num_splits <= triton_decode.MAX_SPLITS_MERGED_BY_THE_LAST:
+        assert torch.equal(deferred, out)
+        return
+    assert isinstance(deferred, SplitSoftmax) and deferred.dtype == q.dtype
+    assert deferred.acc.shape == (len(lens), h, num_splits, d) and deferred.m.shape == (len(lens), h, num_splits)
+    assert deferred.shape == (len(lens), h * d)
+    merged = deferred.merge()
+    assert merged.shape == (len(lens), h, d) and torch.equal(merged, out)
+    assert (merged[[2, 4]] == 0).all()  # padding rows: no split saw a key
 
 
 def test_decode_splits_leave_their_counts_zeroed():

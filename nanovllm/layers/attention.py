@@ -17,6 +17,7 @@ from torch import nn
 from nanovllm.layers.kv_cache import store_kvcache_torch, store_kvcache_triton, v_token_major
 from nanovllm.layers.qk_norm_rope import NormRopeInputs
 from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum
+from nanovllm.layers.split_softmax import SplitSoftmax
 
 # Prefill over an fp8 prefix dequantizes it when there are at least this many queries per context token
 # (dequantizing_pays).
@@ -185,14 +186,17 @@ class Attention(nn.Module):
         return (self.attend is triton_attention and not meta.is_prefill and qkv.shape[0] <= SKINNY_MAX_ROWS
                 and meta.slot_mapping is not None and self.k_cache.numel() > 0)
 
-    def decode_from_qkv(self, inputs: NormRopeInputs, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode attention from the qkv projection: the decode kernel computes q as qk_norm_rope would and
-        stores the new K/V itself (triton_decode.paged_decode_attention's from_qkv)."""
+    def decode_from_qkv(self, inputs: NormRopeInputs, meta: AttentionMetadata) -> torch.Tensor | SplitSoftmax:
+        """Decode attention from the qkv projection, as o_proj's input [num_seqs, num_heads * head_dim]: the
+        decode kernel computes q as qk_norm_rope would and stores the new K/V itself
+        (triton_decode.paged_decode_attention's from_qkv). Where its splits would need a merge kernel, their
+        partials instead (a SplitSoftmax), which o_proj's skinny GEMM merges as it loads them."""
         from nanovllm.layers.triton_decode import paged_decode_attention
 
-        return paged_decode_attention(None, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                      self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                      order=meta.decode_order, from_qkv=inputs)
+        out = paged_decode_attention(None, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                     self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
+                                     order=meta.decode_order, from_qkv=inputs, defer_merge=True)
+        return out if isinstance(out, SplitSoftmax) else out.flatten(1, -1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:

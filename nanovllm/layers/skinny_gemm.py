@@ -14,6 +14,10 @@ it loads y (`defer_sum=True` gives it a `SplitKSum`; it loads with `load_split_s
 summing kernel out of the decode chain (four a layer: −0.05 ms a token of single-stream decode on the
 H200, BENCHMARKS.md).
 
+The other way round, x may be decode attention's partials over split contexts, not yet merged (a SplitSoftmax):
+the kernel merges each tile of them as it loads it, which takes the merge kernel out of a batch-1 decode step
+(o_proj; single stream +2% on the H200, BENCHMARKS.md, twenty-sixth session).
+
 SwiGLU's gate/up projection goes further (skinny_swiglu): a program multiplies a gate tile and the
 matching up tile, K unsplit, and writes silu(gate) * up, so the activation needs no kernel of its own.
 
@@ -33,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.split_softmax import SplitSoftmax, load_merged_tile
 from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
 
 SKINNY_MAX_ROWS = 16
@@ -105,11 +110,29 @@ def _load_tile(ptrs, k, row_mask, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
-                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+def _load_x(x_ptrs, k, m_mask, offs_k, K, EVEN_K: tl.constexpr, x_ptr, x_max_ptr, x_sum_ptr, M, x_heads,
+            X_SPLITS: tl.constexpr, X_HEAD_DIM: tl.constexpr, X_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """x's tile [BLOCK_M, BLOCK_K] at k: loaded (X_SPLITS 0), or merged from a SplitSoftmax and rounded to dtype
+    (_skinny_kernel)."""
+    if X_SPLITS == 0:
+        x = _load_tile(x_ptrs, k, m_mask[:, None], offs_k, K, EVEN_K)
+    else:
+        x = load_merged_tile(x_ptr, x_max_ptr, x_sum_ptr, M, k, x_heads, X_HEAD_DIM, X_SPLITS, X_ROWS, BLOCK_M,
+                             BLOCK_K, dtype)
+    return x
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split, x_max_ptr, x_sum_ptr,
+                   x_heads, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, GATED: tl.constexpr = False):
+                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, GATED: tl.constexpr = False,
+                   X_SPLITS: tl.constexpr = 0, X_HEAD_DIM: tl.constexpr = 0, X_ROWS: tl.constexpr = 0):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): output features n of all rows, over one split of K.
+
+    X_SPLITS > 0: x is a SplitSoftmax of x_heads heads of X_HEAD_DIM, its acc at x_ptr, m and l at x_max_ptr and
+    x_sum_ptr, merged as its tiles load (BLOCK_K a multiple of X_HEAD_DIM), X_ROWS rows of them (M <= X_ROWS).
 
     SPLIT_K == 1: out is y [M, N] (stride_om), bias added. Else out is float32 partials
     [SPLIT_K, M, N], contiguous, reduced by _split_k_reduce_kernel.
@@ -145,13 +168,15 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, 
         if GATED:
             w_up = _load_tile(w_up_ptrs, k_start, n_mask[:, None], offs_k, K, EVEN_K)
         tl.extra.cuda.gdc_wait()
-        x = tl.trans(_load_tile(x_ptrs, k_start, m_mask[:, None], offs_k, K, EVEN_K))
+        x = tl.trans(_load_x(x_ptrs, k_start, m_mask, offs_k, K, EVEN_K, x_ptr, x_max_ptr, x_sum_ptr, M, x_heads,
+                             X_SPLITS, X_HEAD_DIM, X_ROWS, BLOCK_M, BLOCK_K, w_ptr.dtype.element_ty))
         acc = tl.dot(w, x, acc)  # [BLOCK_N, BLOCK_M] = y.T tile
         if GATED:
             acc_up = tl.dot(w_up, x, acc_up)
         loop_start += BLOCK_K
     for k in range(loop_start, k_end, BLOCK_K):
-        x = tl.trans(_load_tile(x_ptrs, k, m_mask[:, None], offs_k, K, EVEN_K))
+        x = tl.trans(_load_x(x_ptrs, k, m_mask, offs_k, K, EVEN_K, x_ptr, x_max_ptr, x_sum_ptr, M, x_heads,
+                             X_SPLITS, X_HEAD_DIM, X_ROWS, BLOCK_M, BLOCK_K, w_ptr.dtype.element_ty))
         acc = tl.dot(_load_tile(w_ptrs, k, n_mask[:, None], offs_k, K, EVEN_K), x, acc)
         if GATED:
             acc_up = tl.dot(_load_tile(w_up_ptrs, k, n_mask[:, None], offs_k, K, EVEN_K), x, acc_up)
@@ -258,21 +283,24 @@ def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
     tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def skinny_linear(x: "torch.Tensor | SplitSoftmax", weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   defer_sum: bool = False, block_n: int | None = None, block_k: int | None = None,
                   split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> "torch.Tensor | SplitKSum":
     """F.linear(x, weight, bias) for x [M <= SKINNY_MAX_ROWS, K] with float32 accumulation.
 
-    x: 16-bit, last dim contiguous (rows may be strided); weight [N, K] contiguous, x's dtype;
-    bias: [N] or None. Returns y [M, N] in x.dtype; with defer_sum, no bias and K split, y's SplitKSum
-    instead. Keyword arguments override launch_config.
+    x: 16-bit, last dim contiguous (rows may be strided), or decode attention's SplitSoftmax, merged as its tiles
+    load (where they are whole heads; else first); weight [N, K] contiguous, x's dtype; bias: [N] or None.
+    Returns y [M, N] in x.dtype; with defer_sum, no bias and K split, y's SplitKSum instead. Keyword arguments
+    override launch_config.
     """
     M, K = x.shape
     N = weight.shape[0]
     _check_operands(x, weight, bias, N)
     config = _overridden(launch_config(N, K, num_sms(x.device), pdl_enabled(x.device), M), block_n=block_n,
                          block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+    if isinstance(x, SplitSoftmax) and config.block_k % x.acc.shape[-1]:
+        x = x.merge().flatten(1, -1)
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
     # Whole K tiles per split; splits left with no tile are dropped.
@@ -320,10 +348,11 @@ def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
-    """x [M <= SKINNY_MAX_ROWS, K] 16-bit, last dim contiguous; weight [rows, K] contiguous in x's dtype; bias
-    [rows] or None."""
+    """x [M <= SKINNY_MAX_ROWS, K] 16-bit, last dim contiguous (or a SplitSoftmax); weight [rows, K] contiguous in
+    x's dtype; bias [rows] or None."""
     M, K = x.shape
-    assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
+    assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
+    assert isinstance(x, SplitSoftmax) or x.stride(1) == 1
     assert weight.shape == (rows, K) and weight.dtype == x.dtype and weight.is_contiguous()
     assert bias is None or (bias.shape == (rows,) and bias.is_contiguous())
 
@@ -337,12 +366,18 @@ def _launch(x, weight, bias, out, N: int, config: LaunchConfig, k_per_split: int
     """_skinny_kernel over N output features (gated: of each half of the weight) into out."""
     M, K = x.shape
     pdl = pdl_enabled(x.device)
+    if isinstance(x, SplitSoftmax):
+        _, heads, x_splits, head_dim = x.acc.shape
+        x_data, stride_xm, x_max, x_sum = x.acc, 0, x.m, x.l
+    else:  # the SplitSoftmax arguments unused
+        x_data, stride_xm, x_max, x_sum, heads, x_splits, head_dim = x, x.stride(0), x, x, 0, 0, 0
     _skinny_kernel[(triton.cdiv(N, config.block_n), splits)](
-        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), N, k_per_split,
-        HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
+        x_data, weight, bias if bias is not None else weight, out, M, N, K, stride_xm, N, k_per_split, x_max, x_sum,
+        heads, HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=splits,
         PDL=pdl, PREFETCH_LINES=min(PREFETCH_MAX_LINES, triton.next_power_of_2(triton.cdiv(k_per_split, 64))),
         GATED=gated, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        X_SPLITS=x_splits, X_HEAD_DIM=head_dim, X_ROWS=triton.next_power_of_2(M) if x_splits else 0,
     )
 
 

@@ -8,6 +8,7 @@ import triton.language as tl
 
 from nanovllm.layers.qk_norm_rope import NormRopeInputs, decode_q_storing_kv, rope_factors
 from nanovllm.layers.skinny_gemm import split_operand
+from nanovllm.layers.split_softmax import SplitSoftmax, merge_splits
 from nanovllm.layers.triton_attention import (
     LOG2E,
     NEG_INF,
@@ -113,7 +114,7 @@ def _decode_kernel(
     With NUM_SPLITS > 1 each program stores its split's partial softmax (m, l, acc). With LAST_SPLIT_MERGES
     it also counts itself in split_counts[seq, kv_head], and the last of the NUM_SPLITS to arrive merges
     them into out (MERGE_HEADS heads at a time) and sets the count back to 0 for the next launch; else
-    _decode_reduce_kernel merges them."""
+    a SplitSoftmax of them is merged later (by its merge kernel, or as o_proj's skinny GEMM loads it)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(0)
@@ -191,39 +192,16 @@ def _decode_kernel(
             tl.debug_barrier()
             count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
             if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                # MERGE_HEADS heads at a time, unrolled, so that their loads are in flight together
+                # MERGE_HEADS heads at a time, so that their loads are in flight together; the other programs'
+                # partials are loaded from L2 (.cg), past this SM's L1
                 for first in tl.range(kv_head * G, kv_head * G + G, MERGE_HEADS, num_stages=1):  # no smem buffers
-                    for i in tl.static_range(MERGE_HEADS):
-                        head = first + i
-                        _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr + seq * stride_ob + head * stride_oh,
-                                      (seq * tl.num_programs(0) * G + head) * NUM_SPLITS, D, NUM_SPLITS)
+                    merged_heads = first + tl.arange(0, MERGE_HEADS)
+                    merged = merge_splits(acc_ptr, m_ptr, l_ptr,
+                                          (seq * tl.num_programs(0) * G + merged_heads) * NUM_SPLITS,
+                                          merged_heads < first + MERGE_HEADS, D, NUM_SPLITS, True)
+                    tl.store(out_ptr + seq * stride_ob + merged_heads[:, None] * stride_oh + d[None, :],
+                             merged.to(out_ptr.dtype.element_ty))
                 tl.store(count_ptr, 0)
-
-
-@triton.jit
-def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, first_row, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Writes out_ptr[:D], the merge of one head's NUM_SPLITS partial softmaxes at partial rows first_row.. .
-    Other programs stored them: they are loaded from L2 (.cg), past this SM's L1."""
-    rows = first_row + tl.arange(0, NUM_SPLITS)
-    m = tl.load(m_ptr + rows, cache_modifier=".cg")
-    w = tl.exp2(m - tl.max(m, 0))  # [NUM_SPLITS], the largest 1
-    denom = tl.sum(w * tl.load(l_ptr + rows, cache_modifier=".cg"), 0)
-    acc = tl.load(acc_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], cache_modifier=".cg")  # [NUM_SPLITS, D]
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)  # context_len 0 -> zeros
-    tl.store(out_ptr + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh, D: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    """Grid (B, H): merge the NUM_SPLITS partial softmaxes of one (sequence, head)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr + seq * stride_ob + head * stride_oh,
-                  (seq * tl.num_programs(1) + head) * NUM_SPLITS, D, NUM_SPLITS)
 
 
 # The decode kernel prefetches its first tile (PREFETCH) from this many splits: a few sequences, whose
@@ -237,18 +215,22 @@ def _decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     A split takes whole 128-key tiles of its sequence's context, so at shorter contexts fewer splits get work,
     and the others only compute q and store empty partials: a batch-1 step over 1,000-2,000 keys with 16 splits
     (of max_model_len 4,096) is faster than with 32 (H200, single stream 1,290-1,299 against 1,251-1,268 tok/s;
-    BENCHMARKS.md, twenty-fourth session)."""
+    BENCHMARKS.md, twenty-fourth session). Up to ~8 programs per SM (batch 8: 16 splits, which o_proj merges)
+    was 10% slower at 8 streams (twenty-sixth session)."""
     splits, target = 1, 4 * num_sms(device)
     while batch * num_kv_heads * splits * 2 <= target and splits * 512 <= max_context and splits < 64:
         splits *= 2
     return splits
 
 
-# Up to this many splits the last one to finish merges them; from more, a kernel of its own does, as many
-# programs as heads, which PDL starts while the decode kernel runs. H200, fp8, 1,000-2,000-token contexts
+# Up to this many splits the last one to finish merges them; from more, a kernel of its own does (as many
+# programs as heads, which PDL starts while the decode kernel runs), or with defer_merge o_proj's skinny GEMM as
+# it loads them. H200, fp8, 1,000-2,000-token contexts
 # (BENCHMARKS.md, sixteenth session): merging in the decode kernel made decode 2.8% faster at batch 8 (8 splits)
 # and 1.3% at 16 (4 splits), but 3.5% slower at batch 1 (16 splits), 0.4% at 2 (32), 2.5% at 4 (16): its
-# merge waits on a fence, an atomic and a round trip to L2, one program per kv head.
+# merge waits on a fence, an atomic and a round trip to L2, one program per kv head. Since o_proj merges what
+# the kernel leaves (defer_merge), batch 1 gained 2% (single stream 1,395-1,400 against 1,368-1,371 tok/s); leaving
+# batch 8's 8 splits to o_proj too was 2.3% slower (twenty-sixth session).
 MAX_SPLITS_MERGED_BY_THE_LAST = 8
 
 
@@ -298,7 +280,8 @@ def _split_counts(n: int, device: torch.device) -> torch.Tensor:
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None, v_scale=None,
                            order=None, out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None,
-                           from_qkv: NormRopeInputs | None = None):
+                           from_qkv: NormRopeInputs | None = None,
+                           defer_merge: bool = False) -> "torch.Tensor | SplitSoftmax":
     """Single-token attention of each sequence over its paged KV cache.
 
     q: [B, H, D], the query at position context_lens[b] - 1 (its K/V already in the cache).
@@ -312,6 +295,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     num_stages override the launch heuristics (_decode_num_splits, _decode_tile).
     from_qkv (q None): the qkv projection instead of q; the kernel computes q as qk_norm_rope would and
     stores the new K/V (not yet in the cache) as its store would.
+    defer_merge: where no program of the kernel merges the splits (more than MAX_SPLITS_MERGED_BY_THE_LAST), return
+    their partials, a SplitSoftmax, for the kernel that reads the output to merge (skinny_linear does).
     """
     if from_qkv is not None:
         assert q is None, "q comes from from_qkv"
@@ -356,10 +341,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         enable_fp_fusion=from_qkv is None, **({"maxnreg": FP8_MAX_REGISTERS} if fp8 else {}),
     )
     if num_splits > 1 and not last_split_merges:
-        # One warp a head: its sums over the splits take shuffles only, no shared memory and barriers. H200, batch 1
-        # (then 32 splits): 1.5 against 2.1 µs a layer with 4 warps, 2.6 with 2 (BENCHMARKS.md, twenty-second session).
-        _decode_reduce_kernel[(B, H)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-                                      D=D, NUM_SPLITS=num_splits, PDL=pdl, num_warps=1, launch_pdl=pdl)
+        partials = SplitSoftmax(part_acc, part_max, part_sum, out.dtype)
+        return partials if defer_merge else partials.merge(out)
     return out
 
 

@@ -57,8 +57,8 @@ class DecoderAttention(nn.Module):
             out = self.attn.decode_from_qkv(self.norm_rope_inputs(positions, qkv, meta.slot_mapping), meta)
         else:
             q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping, meta.is_prefill)
-            out = self.attn(q, k, v, meta, kv_stored=fused)
-        return self.o_proj(out.flatten(1, -1), defer_sum=True)  # summed by the post-attention norm
+            out = self.attn(q, k, v, meta, kv_stored=fused).flatten(1, -1)
+        return self.o_proj(out, defer_sum=True)  # summed by the post-attention norm
 
     def norm_rope_inputs(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum,
                          slot_mapping: torch.Tensor) -> NormRopeInputs:
