@@ -12,11 +12,15 @@ specializations the runtime gives them: pointers and strides divisible by 16 (al
 strides that are multiples of 16), and a stride of 1 where the configuration says so; integer
 arguments only when named (--divisible K,k_per_split: the skinny GEMM at the Qwen3 shapes, whose
 loads and pipelining look scalar without them). Without these the SASS misleads. The local Triton
-may not be the device's (3.6 there), so confirm what matters with a GPU run. Reading the fp8 decode
-kernel this way found V fetched from shared memory byte by byte (128 `LDS.U8` per thread per tile;
-BENCHMARKS.md, seventh session). `--loops` counts what one iteration of each loop issues: the fp8 decode
-kernel's 905 instructions a warp per 128-key tile included 160 register moves that assembled q's MMA operand
-(seventeenth session; the kernel now multiplies K q^T instead).
+may not be the device's (3.6 there), so confirm what matters with a GPU run. To build with the device's
+Triton here: `pip download --no-deps triton==3.6.0 -d /tmp/t36 && pip install --no-deps --target
+/tmp/t36env /tmp/t36/*.whl`, then run this script (or tests/test_kernels_compile_for_gpu.py) with
+PYTHONPATH=/tmp/t36env:. (Triton 3.9 accepted a string constexpr with a default that 3.6 rejects:
+BENCHMARKS.md, twenty-sixth session). Reading the fp8 decode kernel this way found V fetched from
+shared memory byte by byte (128 `LDS.U8` per thread per tile; BENCHMARKS.md, seventh session).
+`--loops` counts what one iteration of each loop issues: the fp8 decode kernel's 905 instructions a
+warp per 128-key tile included 160 register moves that assembled q's MMA operand (seventeenth session;
+the kernel now multiplies K q^T instead).
 """
 
 import argparse
