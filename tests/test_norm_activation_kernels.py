@@ -112,11 +112,18 @@ def test_modules_use_the_kernels_on_cuda(monkeypatch):
 def test_programmatic_dependent_launch_changes_no_result(monkeypatch, rows):
     """A decode layer's MLP chain of Triton kernels replayed from a CUDA graph gives the same bits with PDL
     (kernels overlapping the one before) as without: norm, gate/up GEMM, SiLU, down GEMM (each summed), and
-    as the engine runs decode, norm, gate/up + SiLU in one kernel, down leaving its split-K partials to
-    the next norm. No kernel reads its input before the kernel writing it has finished. Both runs take the
-    GEMMs' launch configuration with PDL (down_proj's split count differs without it, and so would its sum's
-    bits), so that only the overlap differs."""
-    from nanovllm.layers.skinny_gemm import launch_config, skinny_linear, skinny_swiglu
+    as the engine runs decode, norm, gate/up + SiLU in one kernel (up to 4 rows: gate/up leaving its split-K
+    partials to down, which activates them as it loads them), down leaving its split-K partials to the next
+    norm. No kernel reads its input before the kernel writing it has finished. Both runs take the GEMMs' launch
+    configuration with PDL (down_proj's split count differs without it, and so would its sum's bits), so that
+    only the overlap differs."""
+    from nanovllm.layers.skinny_gemm import (
+        DEFERRED_ACTIVATION_MAX_ROWS,
+        SwiGLUSplitKSum,
+        launch_config,
+        skinny_linear,
+        skinny_swiglu,
+    )
     from nanovllm.utils.device import num_sms
 
     gen = torch.Generator().manual_seed(0)
@@ -133,7 +140,9 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch, rows):
         h, res = x, residual
         for _ in range(8):
             normed, res = norm(h, res)
-            if as_engine:
+            if as_engine and rows <= DEFERRED_ACTIVATION_MAX_ROWS:
+                act = SwiGLUSplitKSum(linear(normed, gate_up_w, defer_sum=True))
+            elif as_engine:
                 act = skinny_swiglu(normed, gate_up_w)
             else:
                 act = silu_and_mul_triton(linear(normed, gate_up_w))

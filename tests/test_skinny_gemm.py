@@ -7,6 +7,7 @@ F.linear, inside a CUDA graph, and linear()'s choice of kernel.
 
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -14,9 +15,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.layers import linear as linear_module  # noqa: E402
+from nanovllm.layers import skinny_gemm  # noqa: E402
 from nanovllm.layers.activation import silu_and_mul_triton  # noqa: E402
 from nanovllm.layers.skinny_gemm import (  # noqa: E402
     MAX_ONE_TILE_PARTIALS,
@@ -25,6 +28,7 @@ from nanovllm.layers.skinny_gemm import (  # noqa: E402
     WIDE_TILE_MIN_ROWS,
     LaunchConfig,
     SplitKSum,
+    SwiGLUSplitKSum,
     gated_launch_config,
     launch_config,
     skinny_linear,
@@ -32,6 +36,7 @@ from nanovllm.layers.skinny_gemm import (  # noqa: E402
     summed,
 )
 from nanovllm.layers.split_softmax import SplitSoftmax  # noqa: E402
+from nanovllm.models import decoder  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -278,6 +283,60 @@ def test_swiglu_is_the_projection_then_silu_and_mul(M, N, K, bias, block_k):
     torch.testing.assert_close(fused, silu_and_mul_triton(projected), rtol=0, atol=0)
     gate, up = reference(x, weight, b).chunk(2, dim=-1)
     torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("M", [1, 3, 4])
+@pytest.mark.parametrize("down_config", [{}, dict(block_k=256, split_k=2, num_stages=1)])
+def test_deferred_swiglu_is_activated_as_down_proj_loads_it(M, down_config):
+    """skinny_swiglu(defer=True) leaves the gate/up projection's split-K partials (a SwiGLUSplitKSum); the skinny GEMM
+    reading them sums and activates each tile to the bits of summing, then silu_and_mul, then the GEMM."""
+    N, K = 320, 512  # gate/up [2N, K] splits K (in 2 here); down [64, N]: ragged tiles of N
+    x, gate_up_w, _ = make_inputs(M, 2 * N, K, torch.float16)
+    _, down_w, down_b = make_inputs(M, 64, N, torch.float16, bias=True, seed=1)
+    deferred = skinny_swiglu(x, gate_up_w, defer=True)
+    assert isinstance(deferred, SwiGLUSplitKSum) and deferred.shape == (M, N) and deferred.dtype == x.dtype
+    act = silu_and_mul_triton(deferred.y.sum())
+    torch.testing.assert_close(act, skinny_swiglu(x, gate_up_w), rtol=2e-3, atol=2e-3)  # the fused kernel's values
+    y = skinny_linear(deferred, down_w, down_b, **down_config)
+    assert torch.equal(y, skinny_linear(act, down_w, down_b, **down_config))
+    parts = skinny_linear(deferred, down_w, defer_sum=True, **down_config)
+    assert torch.equal(summed(parts), summed(skinny_linear(act, down_w, defer_sum=True, **down_config)))
+
+
+def test_swiglu_defers_only_few_rows_without_bias():
+    """From DEFERRED_ACTIVATION_MAX_ROWS + 1 rows, or with a bias, skinny_swiglu(defer=True) activates as without."""
+    x, weight, b = make_inputs(5, 640, 512, torch.float16, bias=True)
+    assert torch.equal(skinny_swiglu(x, weight, defer=True), skinny_swiglu(x, weight))
+    assert torch.equal(skinny_swiglu(x[:1], weight, b, defer=True), skinny_swiglu(x[:1], weight, b))
+    assert isinstance(skinny_swiglu(x[:4], weight, defer=True), SwiGLUSplitKSum)
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_decoder_mlp_leaves_the_activation_to_down_proj(monkeypatch, M):
+    """The decode MLP on the skinny path (forced here on CPU): up to 4 rows, gate/up's partials go to down_proj,
+    whose skinny GEMM activates them as it loads them; its output is the fused kernel's path's (to the rounding
+    of another summation order) and the torch MLP's."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mlp = decoder.DecoderMLP(SimpleNamespace(hidden_size=512, intermediate_size=320), decoder.DecoderOptions())
+    finally:
+        dist.destroy_process_group()
+    x, gate_up_w, _ = make_inputs(M, 640, 512, torch.float16)
+    _, down_w, _ = make_inputs(M, 512, 320, torch.float16, seed=1)
+    mlp.gate_up_proj.weight.data, mlp.down_proj.weight.data = gate_up_w, down_w
+    taken = []
+    monkeypatch.setattr(decoder, "skinny_applies", lambda x: True)
+    monkeypatch.setattr(linear_module, "skinny_linear",
+                        lambda x, *args, **kwargs: taken.append(type(x)) or skinny_linear(x, *args, **kwargs))
+    deferred = summed(mlp(x))
+    assert taken == [SwiGLUSplitKSum]
+    monkeypatch.setattr(skinny_gemm, "DEFERRED_ACTIVATION_MAX_ROWS", 0)
+    monkeypatch.setattr(linear_module, "skinny_applies", lambda x: True)  # the fused kernel's output is on CPU
+    fused = summed(mlp(x))
+    assert taken[1:] == [torch.Tensor]
+    torch.testing.assert_close(deferred, fused, rtol=2e-3, atol=2e-3)
+    gate, up = F.linear(x.float(), gate_up_w.float()).chunk(2, dim=-1)
+    torch.testing.assert_close(deferred.float(), F.linear(F.silu(gate) * up, down_w.float()), rtol=1e-2, atol=1e-2)
 
 
 def test_swiglu_tiles_cover_the_sms():

@@ -7,7 +7,8 @@ rank's slice of a checkpoint tensor.
 On CUDA, a few 16-bit rows (decode) go through the skinny GEMM, which reads the weight faster than
 cuBLAS does at that size; everything else through F.linear. `forward(x, defer_sum=True)` lets the skinny
 GEMM leave its split-K partials to the next kernel (a SplitKSum) where no all-reduce needs the sum. x may be
-decode attention's partials not yet merged (a SplitSoftmax), which the skinny GEMM merges as it loads them.
+decode attention's partials not yet merged (a SplitSoftmax), which the skinny GEMM merges as it loads them, or
+a gate/up projection's partials not yet summed and activated (a SwiGLUSplitKSum), likewise.
 """
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum, skinny_linear
+from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum, SwiGLUSplitKSum, skinny_linear
 from nanovllm.layers.split_softmax import SplitSoftmax
 
 
@@ -29,12 +30,12 @@ def skinny_applies(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def linear(x: torch.Tensor | SplitSoftmax, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor | SplitSoftmax | SwiGLUSplitKSum, weight: torch.Tensor, bias: torch.Tensor | None = None,
            defer_sum: bool = False) -> torch.Tensor | SplitKSum:
-    """F.linear(x, weight, bias), by the skinny GEMM where it applies (to a SplitSoftmax, always: decode attention
-    defers its merge only for the skinny GEMM); with defer_sum that may return a SplitKSum (skinny_linear), for
-    a caller whose next kernel takes one."""
-    if isinstance(x, SplitSoftmax) or skinny_applies(x):
+    """F.linear(x, weight, bias), by the skinny GEMM where it applies (to a SplitSoftmax or SwiGLUSplitKSum, always:
+    they are made only for it); with defer_sum that may return a SplitKSum (skinny_linear), for a caller whose
+    next kernel takes one."""
+    if isinstance(x, (SplitSoftmax, SwiGLUSplitKSum)) or skinny_applies(x):
         return skinny_linear(x, weight, bias, defer_sum=defer_sum)
     return F.linear(x, weight, bias)
 
@@ -128,7 +129,8 @@ class RowParallelLinear(LinearBase):
         _, tp_size = tp_rank_and_size()
         super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor | SplitSoftmax, defer_sum: bool = False) -> torch.Tensor | SplitKSum:
+    def forward(self, x: torch.Tensor | SplitSoftmax | SwiGLUSplitKSum,
+                defer_sum: bool = False) -> torch.Tensor | SplitKSum:
         # The bias is added once, on rank 0, before the partial sums are reduced.
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias, defer_sum)

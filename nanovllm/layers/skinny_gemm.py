@@ -19,7 +19,11 @@ the kernel merges each tile of them as it loads it, which takes the merge kernel
 (o_proj; single stream +2% on the H200, BENCHMARKS.md, twenty-sixth session).
 
 SwiGLU's gate/up projection goes further (skinny_swiglu): a program multiplies a gate tile and the
-matching up tile, K unsplit, and writes silu(gate) * up, so the activation needs no kernel of its own.
+matching up tile, K unsplit, and writes silu(gate) * up, so the activation needs no kernel of its own. For a
+few rows the activation moves instead into down_proj's loads of x: gate/up is then an ordinary split-K GEMM of
+one tile a program (SwiGLUSplitKSum), which with PDL loads its whole weight slice before its wait, where the
+gated kernel's programs loop over K (H200 single stream +9%, 4 streams +6.5%: BENCHMARKS.md, twenty-sixth
+session).
 
 At decode sizes a kernel's launch and its first weight reads take as long as the rest of it. With
 programmatic dependent launch (utils.device.pdl_enabled) the kernel starts while the one before it
@@ -51,6 +55,10 @@ ONE_TILE_K = 256
 # wide (launch_config).
 WIDE_TILE_MIN_ROWS = 8
 MAX_ONE_TILE_PARTIALS = 8
+# skinny_swiglu(defer=True) leaves the activation to down_proj's loads of x up to this many rows (the decode graphs
+# of batches 1, 2 and 4). H200: single stream 1,517-1,540 against 1,397-1,398 tok/s, 4 streams 1,231 against 1,156;
+# from 8 rows (down_proj's programs 512 wide, twice the partials a thread) not measured.
+DEFERRED_ACTIVATION_MAX_ROWS = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,29 +118,55 @@ def _load_tile(ptrs, k, row_mask, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_x(x_ptrs, k, m_mask, offs_k, K, EVEN_K: tl.constexpr, x_ptr, x_max_ptr, x_sum_ptr, M, x_heads,
-            X_SPLITS: tl.constexpr, X_HEAD_DIM: tl.constexpr, X_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """x's tile [BLOCK_M, BLOCK_K] at k: loaded (X_SPLITS 0), or merged from a SplitSoftmax and rounded to dtype
-    (_skinny_kernel)."""
+def _load_activated_tile(parts_ptr, M, k, K, stride_xm, split_stride, SPLITS: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """x[:ROWS, k:k + BLOCK_K] of a SwiGLUSplitKSum's x = silu(gate) * up [M, K], from the partials at parts_ptr
+    (row stride stride_xm, split stride split_stride; the up half K columns after the gate), rounded as
+    silu_and_mul of their SplitKSum rounds it; 0 in rows >= M and past K."""
+    rows = tl.arange(0, ROWS)
+    cols = k + tl.arange(0, BLOCK_K)
+    offs = rows[:, None] * stride_xm + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    gate = _sum_splits(parts_ptr, offs, mask, split_stride, SPLITS)
+    up = _sum_splits(parts_ptr + K, offs, mask, split_stride, SPLITS)
+    return silu_and_mul_as_torch(gate, up, dtype)
+
+
+@triton.jit
+def _load_x(x_ptrs, k, m_mask, offs_k, K, EVEN_K: tl.constexpr, x_ptr, stride_xm, x_max_ptr, x_sum_ptr, M, x_heads,
+            x_split_stride, X_SPLITS: tl.constexpr, X_HEAD_DIM: tl.constexpr, X_GATED: tl.constexpr,
+            X_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """x's tile [BLOCK_M, BLOCK_K] at k (_skinny_kernel): loaded (X_SPLITS 0), or computed in dtype from partials,
+    X_ROWS rows of them (the MMA's other rows, padding, would take as many instructions as they: 16 x those of one
+    row, 5,000 a thread and a spill, where a batch-1 o_proj merged all 16): activated from a SwiGLUSplitKSum's
+    (X_GATED), else merged from a SplitSoftmax's."""
     if X_SPLITS == 0:
         x = _load_tile(x_ptrs, k, m_mask[:, None], offs_k, K, EVEN_K)
     else:
-        x = load_merged_tile(x_ptr, x_max_ptr, x_sum_ptr, M, k, x_heads, X_HEAD_DIM, X_SPLITS, X_ROWS, BLOCK_M,
-                             BLOCK_K, dtype)
+        if X_GATED:
+            tile = _load_activated_tile(x_ptr, M, k, K, stride_xm, x_split_stride, X_SPLITS, X_ROWS, BLOCK_K, dtype)
+        else:
+            tile = load_merged_tile(x_ptr, x_max_ptr, x_sum_ptr, M, k, x_heads, X_HEAD_DIM, X_SPLITS, X_ROWS,
+                                    BLOCK_K, dtype)
+        # Rows X_ROWS.. repeat the first X_ROWS (a broadcast), and rows >= M are zeroed.
+        tiled = tl.broadcast_to(tile[None, :, :], [BLOCK_M // X_ROWS, X_ROWS, BLOCK_K])
+        x = tl.where(m_mask[:, None], tl.reshape(tiled, [BLOCK_M, BLOCK_K]), 0.0)
     return x
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split, x_max_ptr, x_sum_ptr,
-                   x_heads, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   x_heads, x_split_stride, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, GATED: tl.constexpr = False,
-                   X_SPLITS: tl.constexpr = 0, X_HEAD_DIM: tl.constexpr = 0, X_ROWS: tl.constexpr = 0):
+                   X_SPLITS: tl.constexpr = 0, X_HEAD_DIM: tl.constexpr = 0, X_GATED: tl.constexpr = False,
+                   X_ROWS: tl.constexpr = 0):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): output features n of all rows, over one split of K.
 
-    X_SPLITS > 0: x is a SplitSoftmax of x_heads heads of X_HEAD_DIM, its acc at x_ptr, m and l at x_max_ptr and
-    x_sum_ptr, merged as its tiles load (BLOCK_K a multiple of X_HEAD_DIM), X_ROWS rows of them (M <= X_ROWS).
+    X_SPLITS > 0: x is computed from X_SPLITS partials as its tiles load, X_ROWS rows of them (M <= X_ROWS). X_GATED:
+    a SwiGLUSplitKSum, its partials [X_SPLITS, M, 2K] at x_ptr (row stride stride_xm, split stride x_split_stride).
+    Else a SplitSoftmax of x_heads heads of X_HEAD_DIM, its acc at x_ptr, m and l at x_max_ptr and x_sum_ptr
+    (BLOCK_K a multiple of X_HEAD_DIM).
 
     SPLIT_K == 1: out is y [M, N] (stride_om), bias added. Else out is float32 partials
     [SPLIT_K, M, N], contiguous, reduced by _split_k_reduce_kernel.
@@ -168,15 +202,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, 
         if GATED:
             w_up = _load_tile(w_up_ptrs, k_start, n_mask[:, None], offs_k, K, EVEN_K)
         tl.extra.cuda.gdc_wait()
-        x = tl.trans(_load_x(x_ptrs, k_start, m_mask, offs_k, K, EVEN_K, x_ptr, x_max_ptr, x_sum_ptr, M, x_heads,
-                             X_SPLITS, X_HEAD_DIM, X_ROWS, BLOCK_M, BLOCK_K, w_ptr.dtype.element_ty))
+        x = tl.trans(_load_x(x_ptrs, k_start, m_mask, offs_k, K, EVEN_K, x_ptr, stride_xm, x_max_ptr, x_sum_ptr, M,
+                             x_heads, x_split_stride, X_SPLITS, X_HEAD_DIM, X_GATED, X_ROWS, BLOCK_M, BLOCK_K,
+                             w_ptr.dtype.element_ty))
         acc = tl.dot(w, x, acc)  # [BLOCK_N, BLOCK_M] = y.T tile
         if GATED:
             acc_up = tl.dot(w_up, x, acc_up)
         loop_start += BLOCK_K
     for k in range(loop_start, k_end, BLOCK_K):
-        x = tl.trans(_load_x(x_ptrs, k, m_mask, offs_k, K, EVEN_K, x_ptr, x_max_ptr, x_sum_ptr, M, x_heads,
-                             X_SPLITS, X_HEAD_DIM, X_ROWS, BLOCK_M, BLOCK_K, w_ptr.dtype.element_ty))
+        x = tl.trans(_load_x(x_ptrs, k, m_mask, offs_k, K, EVEN_K, x_ptr, stride_xm, x_max_ptr, x_sum_ptr, M,
+                             x_heads, x_split_stride, X_SPLITS, X_HEAD_DIM, X_GATED, X_ROWS, BLOCK_M, BLOCK_K,
+                             w_ptr.dtype.element_ty))
         acc = tl.dot(_load_tile(w_ptrs, k, n_mask[:, None], offs_k, K, EVEN_K), x, acc)
         if GATED:
             acc_up = tl.dot(_load_tile(w_up_ptrs, k, n_mask[:, None], offs_k, K, EVEN_K), x, acc_up)
@@ -217,6 +253,28 @@ class SplitKSum:
         y = torch.empty(M, N, dtype=self.dtype, device=self.parts.device)
         _reduce(self.parts, None, y)
         return y
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SwiGLUSplitKSum:
+    """SwiGLU's activation silu(gate) * up [M, N] of a gate/up projection y = [gate | up] [M, 2N] not yet summed
+    (`y`, its SplitKSum), each value rounded as silu_and_mul(y.sum()) rounds it. Only the skinny GEMM reads it
+    (down_proj, skinny_linear): it sums and activates each tile of x as it loads it."""
+
+    y: SplitKSum
+
+    @property
+    def shape(self) -> torch.Size:
+        M, two_n = self.y.shape
+        return torch.Size((M, two_n // 2))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.y.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.y.parts.device
 
 
 def on_kernel_path(x: "torch.Tensor | SplitKSum") -> bool:
@@ -283,14 +341,16 @@ def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
     tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_linear(x: "torch.Tensor | SplitSoftmax", weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def skinny_linear(x: "torch.Tensor | SplitSoftmax | SwiGLUSplitKSum", weight: torch.Tensor,
+                  bias: torch.Tensor | None = None, *,
                   defer_sum: bool = False, block_n: int | None = None, block_k: int | None = None,
                   split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> "torch.Tensor | SplitKSum":
     """F.linear(x, weight, bias) for x [M <= SKINNY_MAX_ROWS, K] with float32 accumulation.
 
-    x: 16-bit, last dim contiguous (rows may be strided), or decode attention's SplitSoftmax, merged as its tiles
-    load (where they are whole heads; else first); weight [N, K] contiguous, x's dtype; bias: [N] or None.
+    x: 16-bit, last dim contiguous (rows may be strided); or decode attention's SplitSoftmax, merged as its tiles
+    load (where they are whole heads; else first); or a SwiGLUSplitKSum, summed and activated as its tiles load.
+    weight [N, K] contiguous, x's dtype; bias: [N] or None.
     Returns y [M, N] in x.dtype; with defer_sum, no bias and K split, y's SplitKSum instead. Keyword arguments
     override launch_config.
     """
@@ -303,9 +363,7 @@ def skinny_linear(x: "torch.Tensor | SplitSoftmax", weight: torch.Tensor, bias: 
         x = x.merge().flatten(1, -1)
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
-    # Whole K tiles per split; splits left with no tile are dropped.
-    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
-    splits = triton.cdiv(K, k_per_split)
+    k_per_split, splits = _k_splits(K, config)
     deferred = defer_sum and splits > 1 and bias is None
     y = None if deferred else torch.empty(M, N, dtype=x.dtype, device=x.device)
     out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
@@ -329,14 +387,22 @@ def gated_launch_config(N: int, K: int, sms: int) -> LaunchConfig:
 
 
 def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> torch.Tensor:
+                  defer: bool = False, block_n: int | None = None, block_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> "torch.Tensor | SwiGLUSplitKSum":
     """SwiGLU's projection and activation in one kernel: silu(gate) * up [M, N] of y = F.linear(x, weight,
     bias), whose first N features are the gate and the last N the up projection (weight [2N, K], bias [2N]
     or None), each value rounded as silu_and_mul(y) rounds it. x as for skinny_linear. It replaces the gate/up
     GEMM, whose split-K partials the SiLU-and-mul kernel summed, and that kernel: one kernel fewer a layer in
-    decode."""
+    decode.
+
+    defer, no bias and at most DEFERRED_ACTIVATION_MAX_ROWS rows: the projection's split-K partials instead (a
+    SwiGLUSplitKSum, by skinny_linear's launch configuration, one tile a program with PDL), which the skinny GEMM
+    that reads them (down_proj) sums and activates as it loads them."""
     M, K = x.shape
+    if defer and bias is None and 0 < M <= DEFERRED_ACTIVATION_MAX_ROWS:
+        config = launch_config(weight.shape[0], K, num_sms(x.device), pdl_enabled(x.device), M)
+        if _k_splits(K, config)[1] > 1:
+            return SwiGLUSplitKSum(skinny_linear(x, weight, defer_sum=True))
     N = weight.shape[0] // 2
     _check_operands(x, weight, bias, 2 * N)
     config = _overridden(gated_launch_config(N, K, num_sms(x.device)), block_n=block_n, block_k=block_k,
@@ -352,9 +418,15 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     x's dtype; bias [rows] or None."""
     M, K = x.shape
     assert M <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
-    assert isinstance(x, SplitSoftmax) or x.stride(1) == 1
+    assert isinstance(x, (SplitSoftmax, SwiGLUSplitKSum)) or x.stride(1) == 1
     assert weight.shape == (rows, K) and weight.dtype == x.dtype and weight.is_contiguous()
     assert bias is None or (bias.shape == (rows,) and bias.is_contiguous())
+
+
+def _k_splits(K: int, config: LaunchConfig) -> tuple[int, int]:
+    """(K per split, splits) of config: whole K tiles per split; splits left with no tile are dropped."""
+    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
+    return k_per_split, triton.cdiv(K, k_per_split)
 
 
 def _overridden(config: LaunchConfig, **overrides) -> LaunchConfig:
@@ -366,18 +438,23 @@ def _launch(x, weight, bias, out, N: int, config: LaunchConfig, k_per_split: int
     """_skinny_kernel over N output features (gated: of each half of the weight) into out."""
     M, K = x.shape
     pdl = pdl_enabled(x.device)
+    heads, split_stride, head_dim = 0, 0, 0  # unused unless x is a SplitSoftmax or SwiGLUSplitKSum
     if isinstance(x, SplitSoftmax):
         _, heads, x_splits, head_dim = x.acc.shape
         x_data, stride_xm, x_max, x_sum = x.acc, 0, x.m, x.l
-    else:  # the SplitSoftmax arguments unused
-        x_data, stride_xm, x_max, x_sum, heads, x_splits, head_dim = x, x.stride(0), x, x, 0, 0, 0
+    elif isinstance(x, SwiGLUSplitKSum):
+        x_data, x_splits = x.y.parts, x.y.parts.shape[0]
+        stride_xm, split_stride, x_max, x_sum = x_data.stride(1), x_data.stride(0), x_data, x_data
+    else:
+        x_data, stride_xm, x_max, x_sum, x_splits = x, x.stride(0), x, x, 0
     _skinny_kernel[(triton.cdiv(N, config.block_n), splits)](
         x_data, weight, bias if bias is not None else weight, out, M, N, K, stride_xm, N, k_per_split, x_max, x_sum,
-        heads, HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
+        heads, split_stride, HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=splits,
         PDL=pdl, PREFETCH_LINES=min(PREFETCH_MAX_LINES, triton.next_power_of_2(triton.cdiv(k_per_split, 64))),
         GATED=gated, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
-        X_SPLITS=x_splits, X_HEAD_DIM=head_dim, X_ROWS=triton.next_power_of_2(M) if x_splits else 0,
+        X_SPLITS=x_splits, X_HEAD_DIM=head_dim, X_GATED=isinstance(x, SwiGLUSplitKSum),
+        X_ROWS=triton.next_power_of_2(M) if x_splits else 0,
     )
 
 

@@ -82,21 +82,16 @@ def merge_splits(acc_ptr, m_ptr, l_ptr, rows, mask, D: tl.constexpr, NUM_SPLITS:
 
 @triton.jit
 def load_merged_tile(acc_ptr, m_ptr, l_ptr, M, k, H, D: tl.constexpr, NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """x[:BLOCK_M, k:k + BLOCK_K] of a SplitSoftmax's x [M, H * D] (k a multiple of BLOCK_K, itself of D), merged
-    and rounded to dtype as merge() would store it; 0 in rows >= M and past the last head. Only the first ROWS
-    (a power of two >= M, at most BLOCK_M) rows are merged: the others, padding for the MMA, would take as many
-    instructions as they (16 x those of one row: 5,000 a thread, spilling, where M = 1)."""
+                     BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """x[:ROWS, k:k + BLOCK_K] of a SplitSoftmax's x [M, H * D] (k a multiple of BLOCK_K, itself of D), merged
+    and rounded to dtype as merge() would store it; 0 in rows >= M and past the last head."""
     HEADS: tl.constexpr = BLOCK_K // D
     r = tl.arange(0, ROWS * HEADS)  # (row, head) pairs of the tile, row-major
     row = r // HEADS
     head = k // D + r % HEADS
     merged = merge_splits(acc_ptr, m_ptr, l_ptr, (row * H + head) * NUM_SPLITS, (row < M) & (head < H), D,
                           NUM_SPLITS, False)
-    merged = tl.reshape(merged.to(dtype), [ROWS, BLOCK_K])
-    # Rows ROWS.. repeat the first ROWS (a broadcast), and rows >= M are zeroed.
-    tiled = tl.reshape(tl.broadcast_to(merged[None, :, :], [BLOCK_M // ROWS, ROWS, BLOCK_K]), [BLOCK_M, BLOCK_K])
-    return tl.where((tl.arange(0, BLOCK_M) < M)[:, None], tiled, 0.0)
+    return tl.reshape(merged.to(dtype), [ROWS, BLOCK_K])
 
 
 @triton.jit

@@ -103,10 +103,11 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKSum:
-        # In decode one kernel projects and activates (skinny_swiglu), and down_proj's split-K partials are
-        # summed by the kernel that reads them next: the next layer's input norm (or the final norm).
+        # In decode one kernel projects and activates (skinny_swiglu; for a few rows, down_proj's loads of its
+        # split-K partials activate them), and down_proj's split-K partials are summed by the kernel that reads
+        # them next: the next layer's input norm (or the final norm).
         if skinny_applies(x):
-            act = skinny_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            act = skinny_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias, defer=True)
         else:
             act = self.act_fn(self.gate_up_proj(x))
         return self.down_proj(act, defer_sum=True)
