@@ -136,10 +136,10 @@ def _load_activated_tile(parts_ptr, M, k, K, stride_xm, split_stride, SPLITS: tl
 def _load_x(x_ptrs, k, m_mask, offs_k, K, EVEN_K: tl.constexpr, x_ptr, stride_xm, x_max_ptr, x_sum_ptr, M, x_heads,
             x_split_stride, X_SPLITS: tl.constexpr, X_HEAD_DIM: tl.constexpr, X_GATED: tl.constexpr,
             X_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """x's tile [BLOCK_M, BLOCK_K] at k (_skinny_kernel): loaded (X_SPLITS 0), or computed in dtype from partials,
-    X_ROWS rows of them (the MMA's other rows, padding, would take as many instructions as they: 16 x those of one
-    row, 5,000 a thread and a spill, where a batch-1 o_proj merged all 16): activated from a SwiGLUSplitKSum's
-    (X_GATED), else merged from a SplitSoftmax's."""
+    """x's tile [BLOCK_M, BLOCK_K] at k (_skinny_kernel): loaded (X_SPLITS 0), or computed in dtype from partials:
+    activated from a SwiGLUSplitKSum's (X_GATED), else merged from a SplitSoftmax's. Only X_ROWS rows are computed,
+    then broadcast to the MMA's BLOCK_M: computing its padding rows too took 16x the instructions of one row at
+    M = 1 (o_proj's merge: 5,000 a thread and a spill, in sm_90 SASS)."""
     if X_SPLITS == 0:
         x = _load_tile(x_ptrs, k, m_mask[:, None], offs_k, K, EVEN_K)
     else:

@@ -42,9 +42,8 @@ class SplitSoftmax:
         out = torch.empty(B, H, D, dtype=self.dtype, device=self.device) if out is None else out
         if B:
             pdl = pdl_enabled(self.device)
-            # One warp a head: its sums over the splits take shuffles only, no shared memory and barriers. H200,
-            # batch 1 (then 32 splits): 1.5 against 2.1 µs a layer with 4 warps, 2.6 with 2 (BENCHMARKS.md,
-            # twenty-second session).
+            # One warp a head. H200, batch 1 (then 32 splits): 1.5 against 2.1 µs a layer with 4 warps, 2.6 with 2
+            # (BENCHMARKS.md, twenty-second session, when the merge summed its splits by a reduction of the block).
             _merge_kernel[(B, H)](self.acc, self.m, self.l, out, out.stride(0), out.stride(1), D=D,
                                   NUM_SPLITS=splits, PDL=pdl, num_warps=1, launch_pdl=pdl)
         return out
@@ -52,6 +51,7 @@ class SplitSoftmax:
 
 @triton.jit
 def _load(ptrs, mask, PAST_L1: tl.constexpr):
+    """tl.load of ptrs, 0 where mask is False; PAST_L1: from L2 (.cg)."""
     if PAST_L1:
         x = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
     else:
