@@ -35,6 +35,9 @@ QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "
                 "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "slot_mapping_ptr": "*i64"}  # k/v_scale_ptr: *fp32
 QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HEADS=8, QKV_SPLITS=0, HAS_NORM=True,
                                STORE=False, PAGE=256, FP8=False, PDL=True)
+SKINNY_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}
+SKINNY = dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, PDL=True, PREFETCH_LINES=4,
+              GATED=False, X_SPLITS=0, X_HEAD_DIM=0, X_GATED=False, X_ROWS=0)
 NORM_POINTERS = {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
 SEARCH = {"logits_ptr": "*bf16", "active_ptr": "*i8", "lo_ptr": "*i32", "arrivals_ptr": "*i32"}
 SEARCH_SIZES = dict(NUM_BUCKETS=16, NUM_BINS=32, BLOCK=512)
@@ -55,6 +58,7 @@ def configurations():
     decode, prefill = "nanovllm.layers.triton_decode", "nanovllm.layers.triton_prefill"
     qk_norm_rope = "nanovllm.layers.qk_norm_rope"
     filters = "nanovllm.layers.sampling_filters"
+    skinny = "nanovllm.layers.skinny_gemm"
     return {
         "decode bf16": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
         "decode fp8": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
@@ -98,29 +102,18 @@ def configurations():
                                        dict(FIRST=False, KEY_SHIFT=0, **SEARCH_SIZES)),
         "top-p search pass, one row": (filters, "_search_pass_kernel", SEARCH, [],
                                        dict(FIRST=True, KEY_SHIFT=16, NUM_BUCKETS=256, NUM_BINS=512, BLOCK=32)),
-        "skinny gemm": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
-                        {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}, [],
-                        dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, PDL=True,
-                             PREFETCH_LINES=4, GATED=False, X_SPLITS=0, X_HEAD_DIM=0, X_GATED=False,
-                             X_ROWS=0)),
-        "skinny gemm, merging decode attention's splits": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
-                                                           {"x_ptr": "*fp32", "w_ptr": "*bf16", "b_ptr": "*bf16"}, [],
-                                                           dict(HAS_BIAS=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
-                                                                BLOCK_K=256, SPLIT_K=8, PDL=True, PREFETCH_LINES=4,
-                                                                GATED=False, X_SPLITS=16, X_HEAD_DIM=128, X_GATED=False,
-                                                                X_ROWS=1)),
-        "skinny gemm, activating gate/up partials": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
-                                                     {"x_ptr": "*fp32", "w_ptr": "*bf16", "b_ptr": "*bf16"}, [],
-                                                     dict(HAS_BIAS=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
-                                                          BLOCK_K=256, SPLIT_K=12, PDL=True, PREFETCH_LINES=4,
-                                                          GATED=False, X_SPLITS=4, X_HEAD_DIM=0, X_GATED=True,
-                                                          X_ROWS=1)),
-        "skinny gemm, gated (SwiGLU)": ("nanovllm.layers.skinny_gemm", "_skinny_kernel",
-                                        {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"},
-                                        [], dict(HAS_BIAS=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
-                                                 SPLIT_K=1, PDL=True, PREFETCH_LINES=16, GATED=True, X_SPLITS=0,
-                                                 X_HEAD_DIM=0, X_GATED=False, X_ROWS=0)),
-        "skinny split-k reduce": ("nanovllm.layers.skinny_gemm", "_split_k_reduce_kernel",
+        "skinny gemm": (skinny, "_skinny_kernel", SKINNY_POINTERS, [], SKINNY),
+        "skinny gemm, merging decode attention's splits": (
+            skinny, "_skinny_kernel", {**SKINNY_POINTERS, "x_ptr": "*fp32"}, [],
+            {**SKINNY, "HAS_BIAS": False, "SPLIT_K": 8, "X_SPLITS": 16, "X_HEAD_DIM": 128, "X_ROWS": 1}),
+        "skinny gemm, activating gate/up partials": (
+            skinny, "_skinny_kernel", {**SKINNY_POINTERS, "x_ptr": "*fp32"}, [],
+            {**SKINNY, "HAS_BIAS": False, "SPLIT_K": 12, "X_SPLITS": 4, "X_GATED": True, "X_ROWS": 1}),
+        "skinny gemm, gated (SwiGLU)": (
+            skinny, "_skinny_kernel", {**SKINNY_POINTERS, "out_ptr": "*bf16"}, [],
+            {**SKINNY, "HAS_BIAS": False, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 1, "PREFETCH_LINES": 16,
+             "GATED": True}),
+        "skinny split-k reduce": (skinny, "_split_k_reduce_kernel",
                                   {"b_ptr": "*bf16", "y_ptr": "*bf16"}, [],
                                   dict(HAS_BIAS=True, BLOCK=1024, SPLIT_K=4, PDL=True)),
         "rms norm": ("nanovllm.layers.layernorm", "_rms_norm_kernel", NORM_POINTERS, ["eps"],
