@@ -198,7 +198,8 @@ def _decode_kernel(
                     merged_heads = first + tl.arange(0, MERGE_HEADS)
                     merged = merge_splits(acc_ptr, m_ptr, l_ptr,
                                           (seq * tl.num_programs(0) * G + merged_heads) * NUM_SPLITS,
-                                          merged_heads < first + MERGE_HEADS, D, NUM_SPLITS, True)
+                                          merged_heads < first + MERGE_HEADS,  # all True: MERGE_HEADS divides G
+                                          D, NUM_SPLITS, True)
                     tl.store(out_ptr + seq * stride_ob + merged_heads[:, None] * stride_oh + d[None, :],
                              merged.to(out_ptr.dtype.element_ty))
                 tl.store(count_ptr, 0)
