@@ -234,7 +234,7 @@ def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
         print("(programmatic dependent launch: a kernel starts while the one before it runs, and its time includes "
               "that wait, so busy time may exceed wall time; NANOVLLM_PDL=0 gives additive kernel times)")
     print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
-    print_time_added(prof.events(), steps)
+    print_time_added(prof.events(), steps, layers=llm.config.hf_config.num_hidden_layers)
     host = cProfile.Profile()
     host.enable()
     for _ in range(steps):
@@ -284,12 +284,35 @@ def time_added(kernels: list[tuple[str, float, float]]) -> tuple[float, float, d
     return span, idle, added, calls
 
 
-def print_time_added(events, steps: int, top: int = 15):
-    """time_added of the profiler's GPU events, per step, the largest first."""
+def by_place_in_layer(kernels: list[tuple[str, float, float]], calls_a_layer: int) -> list[tuple[str, float, float]]:
+    """kernels (name, start, end) with each name run a multiple m > 1 of calls_a_layer times (the skinny GEMM:
+    qkv, o, gate/up, down in each layer) named apart by their place in the layer, "name #i of m" in time order,
+    so that time_added says which of them a step waits on. The other names are kept."""
+    kernels = sorted(kernels, key=lambda kernel: kernel[1])
+    counts: dict[str, int] = {}
+    for name, _, _ in kernels:
+        counts[name] = counts.get(name, 0) + 1
+    seen: dict[str, int] = {}
+    labelled = []
+    for name, start, end in kernels:
+        per_layer, rest = divmod(counts[name], calls_a_layer)
+        if per_layer > 1 and rest == 0:
+            place = seen.get(name, 0)
+            seen[name] = place + 1
+            name = f"{name} #{place % per_layer + 1} of {per_layer}"
+        labelled.append((name, start, end))
+    return labelled
+
+
+def print_time_added(events, steps: int, top: int = 15, layers: int | None = None):
+    """time_added of the profiler's GPU events, per step, the largest first; given the model's `layers`, the
+    kernels run several times a layer apart by their place in it (by_place_in_layer)."""
     from torch.autograd import DeviceType
 
-    span, idle, added, calls = time_added([(e.name, e.time_range.start, e.time_range.end) for e in events
-                                           if e.device_type == DeviceType.CUDA])
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    if layers:
+        kernels = by_place_in_layer(kernels, steps * layers)
+    span, idle, added, calls = time_added(kernels)
     print(f"time added per step (span {span / steps:.1f} us, idle {idle / steps:.1f} us), by kernel:")
     for name, us in sorted(added.items(), key=lambda item: -item[1])[:top]:
         print(f"  {us / steps:8.1f} us  {calls[name] / steps:5.1f} calls  {name[:100]}")

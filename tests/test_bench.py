@@ -3,7 +3,7 @@
 import time
 import types
 
-from bench import HOST_PARTS, bench_streams, host_time_by_part, time_added
+from bench import HOST_PARTS, bench_streams, by_place_in_layer, host_time_by_part, time_added
 from nanovllm import LLM
 from nanovllm.engine.model_runner import PendingOutput
 from nanovllm.engine.scheduler import Scheduler
@@ -21,6 +21,14 @@ def test_time_added_counts_overlapped_kernels_once():
 
 def test_time_added_of_nothing():
     assert time_added([]) == (0.0, 0.0, {}, {})
+
+
+def test_kernels_run_several_times_a_layer_are_named_by_their_place():
+    # two layers: gemm twice a layer, norm once a layer and once more, head once
+    kernels = [("gemm", 0, 1), ("norm", 1, 2), ("gemm", 2, 3), ("gemm", 3, 4), ("norm", 4, 5), ("gemm", 5, 6),
+               ("norm", 6, 7), ("head", 7, 8)]
+    assert [name for name, _, _ in by_place_in_layer(kernels[::-1], calls_a_layer=2)] == [
+        "gemm #1 of 2", "norm", "gemm #2 of 2", "gemm #1 of 2", "norm", "gemm #2 of 2", "norm", "head"]
 
 
 def test_bench_streams_times_every_run(tiny_model, capsys):
