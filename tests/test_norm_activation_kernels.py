@@ -108,11 +108,11 @@ def test_modules_use_the_kernels_on_cuda(monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows", [4, 8])  # from 8 rows down_proj takes 512-wide tiles at 8 warps
+@pytest.mark.parametrize("rows", [4, 8, 16])  # 16: the fused SwiGLU kernel, down_proj in 512-wide tiles
 def test_programmatic_dependent_launch_changes_no_result(monkeypatch, rows):
     """A decode layer's MLP chain of Triton kernels replayed from a CUDA graph gives the same bits with PDL
     (kernels overlapping the one before) as without: norm, gate/up GEMM, SiLU, down GEMM (each summed), and
-    as the engine runs decode, norm, gate/up + SiLU in one kernel (up to 4 rows: gate/up leaving its split-K
+    as the engine runs decode, norm, gate/up + SiLU in one kernel (up to 8 rows: gate/up leaving its split-K
     partials to down, which activates them as it loads them), down leaving its split-K partials to the next
     norm. No kernel reads its input before the kernel writing it has finished. Both runs take the GEMMs' launch
     configuration with PDL (down_proj's split count differs without it, and so would its sum's bits), so that

@@ -145,22 +145,23 @@ def test_launch_config_at_the_qwen3_shapes():
     assert launch_config(24576, 4096, sms=132, pdl=True) == LaunchConfig(64, 128, 1, 4, 3)  # wide: the loop
 
 
-def test_wide_tiles_from_8_rows():
-    """From WIDE_TILE_MIN_ROWS rows, one-tile splits leaving more than MAX_ONE_TILE_PARTIALS partials (down_proj's
-    12) take tiles twice as wide at 8 warps; o_proj's 8 and qkv's 4 stay, and so does everything at 7 rows."""
-    assert (WIDE_TILE_MIN_ROWS, MAX_ONE_TILE_PARTIALS) == (8, 8)
-    for rows in (8, 16):
+def test_wide_tiles_from_9_rows():
+    """From WIDE_TILE_MIN_ROWS rows (past the deferred activation's 8), one-tile splits leaving more than
+    MAX_ONE_TILE_PARTIALS partials (down_proj's 12) take tiles twice as wide at 8 warps; o_proj's 8 and qkv's 4
+    stay, and so does everything at 8 rows."""
+    assert (WIDE_TILE_MIN_ROWS, MAX_ONE_TILE_PARTIALS) == (9, 8)
+    for rows in (9, 16):
         configs = {name: launch_config(N, K, sms=132, pdl=True, rows=rows) for name, (N, K) in QWEN3_06B_SHAPES.items()}
         assert configs["down_proj"] == LaunchConfig(64, 512, 6, 8, 1)
         assert configs["o_proj"] == LaunchConfig(64, 256, 8, 4, 1)
         assert configs["qkv_proj"] == LaunchConfig(64, 256, 4, 4, 1)
-    assert launch_config(*QWEN3_06B_SHAPES["down_proj"], sms=132, pdl=True, rows=7) == LaunchConfig(64, 256, 12, 4, 1)
-    assert launch_config(*QWEN3_06B_SHAPES["down_proj"], sms=132, rows=8) == LaunchConfig(64, 128, 8, 4, 4)  # no PDL
+    assert launch_config(*QWEN3_06B_SHAPES["down_proj"], sms=132, pdl=True, rows=8) == LaunchConfig(64, 256, 12, 4, 1)
+    assert launch_config(*QWEN3_06B_SHAPES["down_proj"], sms=132, rows=16) == LaunchConfig(64, 128, 8, 4, 4)  # no PDL
 
 
-@pytest.mark.parametrize("M, splits", [(1, 12), (5, 12), (8, 6), (16, 6)])
+@pytest.mark.parametrize("M, splits", [(1, 12), (8, 12), (9, 6), (16, 6)])
 def test_one_tile_splits_match_reference(M, splits):
-    """PDL's configurations (here run without PDL, as on CPU) at down_proj's K: 12 splits of 256, from 8 rows
+    """PDL's configurations (here run without PDL, as on CPU) at down_proj's K: 12 splits of 256, from 9 rows
     6 of 512 at 8 warps."""
     N, K = 128, QWEN3_06B_SHAPES["down_proj"][1]
     x, weight, b = make_inputs(M, N, K, torch.float16, bias=True)
@@ -285,7 +286,7 @@ def test_swiglu_is_the_projection_then_silu_and_mul(M, N, K, bias, block_k):
     torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("M", [1, 3, 4])
+@pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("down_config", [{}, dict(block_k=256, split_k=2, num_stages=1)])
 def test_deferred_swiglu_is_activated_as_down_proj_loads_it(M, down_config):
     """skinny_swiglu(defer=True) leaves the gate/up projection's split-K partials (a SwiGLUSplitKSum); the skinny GEMM
@@ -305,15 +306,16 @@ def test_deferred_swiglu_is_activated_as_down_proj_loads_it(M, down_config):
 
 def test_swiglu_defers_only_few_rows_without_bias():
     """From DEFERRED_ACTIVATION_MAX_ROWS + 1 rows, or with a bias, skinny_swiglu(defer=True) activates as without."""
-    x, weight, b = make_inputs(5, 640, 512, torch.float16, bias=True)
+    rows = skinny_gemm.DEFERRED_ACTIVATION_MAX_ROWS
+    x, weight, b = make_inputs(rows + 1, 640, 512, torch.float16, bias=True)
     assert torch.equal(skinny_swiglu(x, weight, defer=True), skinny_swiglu(x, weight))
     assert torch.equal(skinny_swiglu(x[:1], weight, b, defer=True), skinny_swiglu(x[:1], weight, b))
-    assert isinstance(skinny_swiglu(x[:4], weight, defer=True), SwiGLUSplitKSum)
+    assert isinstance(skinny_swiglu(x[:rows], weight, defer=True), SwiGLUSplitKSum)
 
 
-@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("M", [1, 8])
 def test_decoder_mlp_leaves_the_activation_to_down_proj(monkeypatch, M):
-    """The decode MLP on the skinny path (forced here on CPU): up to 4 rows, gate/up's partials go to down_proj,
+    """The decode MLP on the skinny path (forced here on CPU): up to 8 rows, gate/up's partials go to down_proj,
     whose skinny GEMM activates them as it loads them; its output is the fused kernel's path's (to the rounding
     of another summation order) and the torch MLP's."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

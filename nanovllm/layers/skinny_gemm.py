@@ -51,14 +51,14 @@ PREFETCH_MAX_LINES = 16
 # With PDL, a split of K at most twice this wide becomes splits of exactly this width (a [64, 256] weight tile,
 # 32 KiB in 16 bits: 16 loads a thread at 4 warps), each program's whole slice loaded before its wait.
 ONE_TILE_K = 256
-# ... but from this many rows of x, one-tile splits that would leave more partials than this take tiles twice as
-# wide (launch_config).
-WIDE_TILE_MIN_ROWS = 8
-MAX_ONE_TILE_PARTIALS = 8
 # skinny_swiglu(defer=True) leaves the activation to down_proj's loads of x up to this many rows (the decode graphs
-# of batches 1, 2 and 4). H200: single stream 1,517-1,540 against 1,397-1,398 tok/s, 4 streams 1,231 against 1,156;
-# from 8 rows (down_proj's programs 512 wide, twice the partials a thread) not measured.
-DEFERRED_ACTIVATION_MAX_ROWS = 4
+# of batches 1 to 8). H200: single stream 1,517-1,540 against 1,397-1,398 tok/s, 4 streams 1,231 against 1,156
+# (twenty-sixth session); 8 streams 1,028-1,029 against 1,019-1,021 (twenty-seventh).
+DEFERRED_ACTIVATION_MAX_ROWS = 8
+# ... and from more rows than that, where the fused gate/up + SiLU kernel runs before down_proj, one-tile splits that
+# would leave more partials than MAX_ONE_TILE_PARTIALS take tiles twice as wide (launch_config).
+WIDE_TILE_MIN_ROWS = DEFERRED_ACTIVATION_MAX_ROWS + 1
+MAX_ONE_TILE_PARTIALS = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,7 +83,11 @@ def launch_config(N: int, K: int, sms: int, pdl: bool = False, rows: int = 1) ->
     without PDL); H200 single stream +6%, 8 streams +5% (BENCHMARKS.md, twenty-fifth session). From
     WIDE_TILE_MIN_ROWS `rows` of x, where that would leave more than MAX_ONE_TILE_PARTIALS partials for the
     kernel that sums them, the tiles are 2 * ONE_TILE_K wide at 8 warps instead (down_proj: 6 splits of 512):
-    H200, 8 streams +2.3%, while at batch 1 they were 4.6% slower (twenty-fifth and twenty-sixth sessions)."""
+    H200, 8 streams +2.3% after the fused SwiGLU kernel, while at batch 1 they were 4.6% slower (twenty-fifth and
+    twenty-sixth sessions). After the one-tile gate/up GEMM (up to DEFERRED_ACTIVATION_MAX_ROWS rows) they were 4%
+    slower at 8 streams (twenty-seventh): a 512-wide program activating 8 rows (216 registers a thread at 8 warps, 80
+    KiB of shared memory) fits on no SM beside gate/up's programs (128 registers at 4 warps, about three an SM), so
+    it starts, and loads its weights, only after they end; the 256-wide one (220 at 4 warps) fits beside two."""
     block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(K)))
     tiles_n = triton.cdiv(N, block_n)
     split_k = 1
