@@ -53,7 +53,8 @@ PREFETCH_MAX_LINES = 16
 ONE_TILE_K = 256
 # skinny_swiglu(defer=True) leaves the activation to down_proj's loads of x up to this many rows (the decode graphs
 # of batches 1 to 8). H200: single stream 1,517-1,540 against 1,397-1,398 tok/s, 4 streams 1,231 against 1,156
-# (twenty-sixth session); 8 streams 1,028-1,029 against 1,019-1,021 (twenty-seventh).
+# (twenty-sixth session); 8 streams 1,075-1,076 against 1,019-1,021, down_proj's tiles at 8 rows then 256 wide
+# (twenty-seventh; 1,028-1,034 with the 512-wide ones: launch_config says why).
 DEFERRED_ACTIVATION_MAX_ROWS = 8
 # ... and from more rows than that, where the fused gate/up + SiLU kernel runs before down_proj, one-tile splits that
 # would leave more partials than MAX_ONE_TILE_PARTIALS take tiles twice as wide (launch_config).
