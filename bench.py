@@ -15,6 +15,7 @@ the weights' values).
 """
 
 import argparse
+import collections
 import contextlib
 import functools
 import os
@@ -288,18 +289,14 @@ def by_place_in_layer(kernels: list[tuple[str, float, float]], calls_a_layer: in
     """kernels (name, start, end) with each name run a multiple m > 1 of calls_a_layer times (the skinny GEMM:
     qkv, o, gate/up, down in each layer) named apart by their place in the layer, "name #i of m" in time order,
     so that time_added says which of them a step waits on. The other names are kept."""
-    kernels = sorted(kernels, key=lambda kernel: kernel[1])
-    counts: dict[str, int] = {}
-    for name, _, _ in kernels:
-        counts[name] = counts.get(name, 0) + 1
-    seen: dict[str, int] = {}
+    counts = collections.Counter(name for name, _, _ in kernels)
+    seen = collections.Counter()
     labelled = []
-    for name, start, end in kernels:
+    for name, start, end in sorted(kernels, key=lambda kernel: kernel[1]):
         per_layer, rest = divmod(counts[name], calls_a_layer)
         if per_layer > 1 and rest == 0:
-            place = seen.get(name, 0)
-            seen[name] = place + 1
-            name = f"{name} #{place % per_layer + 1} of {per_layer}"
+            seen[name] += 1
+            name = f"{name} #{(seen[name] - 1) % per_layer + 1} of {per_layer}"
         labelled.append((name, start, end))
     return labelled
 
