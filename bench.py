@@ -7,6 +7,7 @@
     python bench.py --model DIR --tensor-parallel-size 2 --attention-backend triton
     python bench.py --kv-cache-dtype fp8  # fp8 KV cache (Triton kernels): twice the tokens in the pool
     python bench.py --breakdown           # ...then where the time goes: prefill vs decode by batch size
+    python bench.py --profile --streams 8 # the GPU's time by kernel, and its idle time, over 8 streams' decode steps
     python bench.py --mixed-sampling      # sampler step time at batch 256 and 1: every control vs temperature only
 
 Without --model and without ~/huggingface/Qwen3-0.6B, a random-weight checkpoint with Qwen3-0.6B's
@@ -166,6 +167,20 @@ def host_time_by_part():
             setattr(cls, name, originals[part])
 
 
+PROFILED_STEPS = 30  # decode steps profile_decode profiles on the GPU, and as many more on the host
+
+
+def stream_requests(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int,
+                    every_control: bool) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The streams' requests: num_streams prompts of prompt_len random tokens, each sampling new_tokens tokens at
+    temperature 0.6 (ignore_eos), and with every_control with every other sampling control too."""
+    vocab = min(10000, llm.config.hf_config.vocab_size - 1)
+    controls = EVERY_CONTROL if every_control else {}
+    prompts = [[randint(0, vocab) for _ in range(prompt_len)] for _ in range(num_streams)]
+    return prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens, **controls)
+                     for _ in range(num_streams)]
+
+
 def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, every_control: bool,
                   runs: int = 2) -> list[float]:
     """Time to first token (until every stream's first token is on the host: steps overlap, so a
@@ -173,12 +188,9 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, 
     runs after a warm-up, and from 3 runs their median. Temperature 0.6, and with every_control, every
     other sampling control too. Returns the runs' decode rates per stream."""
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
-    vocab = min(10000, llm.config.hf_config.vocab_size - 1)
-    controls = EVERY_CONTROL if every_control else {}
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens, **controls)
     rates = []
     for _ in range(runs):
-        prompts = [[randint(0, vocab) for _ in range(prompt_len)] for _ in range(num_streams)]
+        prompts, params = stream_requests(llm, prompt_len, new_tokens, num_streams, every_control)
         seqs = llm.make_sequences(prompts, params)
         start = time.perf_counter()
         for seq in seqs:
@@ -205,20 +217,20 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int, 
     return rates
 
 
-def profile_decode(llm: LLM, num_streams: int, steps: int = 30):
-    """GPU-busy time vs wall clock over `steps` decode steps, the top kernels, and the top host functions."""
+def profile_decode(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], warmup: int = 5,
+                   steps: int = PROFILED_STEPS):
+    """GPU-busy time vs wall clock over `steps` decode steps of the requests (prompts, params), after their
+    prefill and `warmup` decode steps, the top kernels, and the top host functions."""
     import cProfile
     import pstats
 
     from torch.profiler import ProfilerActivity, profile
 
-    prompts, params = upstream_workload(num_streams)
     for prompt, sp in zip(prompts, params):
-        sp.max_tokens = 1024
         llm.add_request(prompt, sp)
     while llm.scheduler.waiting:
         llm.step()
-    for _ in range(5):
+    for _ in range(warmup):
         llm.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -268,16 +280,18 @@ def profile_prefill(llm: LLM, steps: int = 3):
         llm.step()
 
 
-def time_added(kernels: list[tuple[str, float, float]]) -> tuple[float, float, dict[str, float], dict[str, int]]:
+def time_added(kernels: list[tuple[str, float, float]]) -> tuple[float, dict[str, float], dict[str, float],
+                                                                 dict[str, int]]:
     """What each kernel (name, start, end) adds to the GPU's timeline: its end minus the latest end before
-    it (0 if it ended earlier), summed by name, with the calls by name; and the time in which the GPU ran
-    nothing (idle) and the whole span. With PDL a kernel's own time includes its wait for the one before,
-    so the profiler's table overlaps; these sums do not: with idle they add up to the span, so they say
-    which kernels a step is waiting on."""
-    added, calls, idle, last_end = {}, {}, 0.0, None
+    it (0 if it ended earlier), summed by name, with the calls by name; the time in which the GPU ran
+    nothing (idle), summed by the name of the kernel that ends each gap; and the whole span. With PDL a
+    kernel's own time includes its wait for the one before, so the profiler's table overlaps; these sums do
+    not: with idle they add up to the span, so they say which kernels a step is waiting on."""
+    added, idle, calls, last_end = {}, {}, {}, None
     for name, start, end in sorted(kernels, key=lambda kernel: kernel[1]):
         last_end = start if last_end is None else last_end
-        idle += max(0.0, start - last_end)
+        if start > last_end:
+            idle[name] = idle.get(name, 0.0) + start - last_end
         added[name] = added.get(name, 0.0) + max(0.0, end - max(start, last_end))
         calls[name] = calls.get(name, 0) + 1
         last_end = max(last_end, end)
@@ -310,8 +324,12 @@ def print_time_added(events, steps: int, top: int = 15, layers: int | None = Non
     if layers:
         kernels = by_place_in_layer(kernels, steps * layers)
     span, idle, added, calls = time_added(kernels)
-    print(f"time added per step (span {span / steps:.1f} us, idle {idle / steps:.1f} us), by kernel:")
+    print(f"time added per step (span {span / steps:.1f} us, idle {sum(idle.values()) / steps:.1f} us), by kernel:")
     for name, us in sorted(added.items(), key=lambda item: -item[1])[:top]:
+        print(f"  {us / steps:8.1f} us  {calls[name] / steps:5.1f} calls  {name[:100]}")
+    print("idle per step, by the kernel that ends the wait (the profiler slows the host, so a wait before a step's "
+          "first kernel may be the profiler's):")
+    for name, us in sorted(idle.items(), key=lambda item: -item[1])[:8]:
         print(f"  {us / steps:8.1f} us  {calls[name] / steps:5.1f} calls  {name[:100]}")
 
 
@@ -405,7 +423,8 @@ def main():
     parser.add_argument("--every-control", action="store_true",
                         help="streams sample with every control (top-k/p, min-p, penalties, seed, logprobs)")
     parser.add_argument("--profile", action="store_true",
-                        help="profile decode steps at batch 1 and 256 (or at batch --streams) instead of timing (CUDA)")
+                        help="profile decode steps at batch 1 and 256 of the workload (with --single-stream or "
+                             "--streams, of theirs, mid-decode) instead of timing (CUDA)")
     parser.add_argument("--profile-prefill", action="store_true",
                         help="profile the workload's prefill steps instead of timing (CUDA)")
     parser.add_argument("--mixed-sampling", action="store_true",
@@ -425,9 +444,16 @@ def main():
              enforce_eager=args.enforce_eager) as llm:
         print(f"KV pool: {llm.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens "
               f"({args.kv_cache_dtype}), backend {llm.config.attention_backend}, tp {args.tensor_parallel_size}")
-        if args.profile:
-            for batch in [args.streams] if args.streams else [1, 256]:
-                profile_decode(llm, batch)
+        if args.profile and (args.single_stream or args.streams):  # mid-decode: the run's average contexts
+            prompts, params = stream_requests(llm, args.prompt_len, args.new_tokens, args.streams or 1,
+                                              args.every_control)
+            profile_decode(llm, prompts, params, warmup=max(0, args.new_tokens // 2 - PROFILED_STEPS))
+        elif args.profile:
+            for batch in [1, 256]:
+                prompts, params = upstream_workload(batch)
+                for sp in params:
+                    sp.max_tokens = 1024  # none finishes while profiled
+                profile_decode(llm, prompts, params)
         elif args.profile_prefill:
             profile_prefill(llm)
         elif args.single_stream or args.streams:
