@@ -287,13 +287,13 @@ def time_added(kernels: list[tuple[str, float, float]]) -> tuple[float, dict[str
     nothing (idle), summed by the name of the kernel that ends each gap; and the whole span. With PDL a
     kernel's own time includes its wait for the one before, so the profiler's table overlaps; these sums do
     not: with idle they add up to the span, so they say which kernels a step is waiting on."""
-    added, idle, calls, last_end = {}, {}, {}, None
+    added, idle, calls, last_end = collections.Counter(), collections.Counter(), collections.Counter(), None
     for name, start, end in sorted(kernels, key=lambda kernel: kernel[1]):
         last_end = start if last_end is None else last_end
         if start > last_end:
-            idle[name] = idle.get(name, 0.0) + start - last_end
-        added[name] = added.get(name, 0.0) + max(0.0, end - max(start, last_end))
-        calls[name] = calls.get(name, 0) + 1
+            idle[name] += start - last_end
+        added[name] += max(0.0, end - max(start, last_end))
+        calls[name] += 1
         last_end = max(last_end, end)
     span = last_end - min(start for _, start, _ in kernels) if kernels else 0.0
     return span, idle, added, calls
