@@ -1,5 +1,5 @@
-"""The Triton RMSNorm and SiLU-and-mul kernels (used on CUDA) against the torch ops they replace, which
-are the CPU reference; on CPU under Triton's interpreter, with CUDA at Qwen3 shapes in bf16.
+"""The Triton RMSNorm, SiLU-and-mul and embedding kernels (used on CUDA) against the torch ops they replace,
+which are the CPU reference; on CPU under Triton's interpreter, with CUDA at Qwen3 shapes in bf16.
 
 RMSNorm: the new residual is exact; the normed value may differ from torch's in the last bit where the
 float32 sum of squares, reduced in another order, moves 1/rms across a rounding boundary. SiLU: the
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nanovllm.layers.activation import SiluAndMul, silu_and_mul, silu_and_mul_triton
+from nanovllm.layers.embed_head import embedding_triton
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm, rms_norm_triton
 from nanovllm.layers.skinny_gemm import SplitKSum, summed
 
@@ -161,3 +162,13 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch, rows):
             torch.cuda.synchronize()
             results[pdl] = [t.clone() for t in out]
         assert all(map(torch.equal, results["0"], results["1"])), f"as the engine: {as_engine}"
+
+
+@pytest.mark.parametrize("rows, n", [(0, 64), (1, 64), (7, 1000), (300, 1024)])  # n not a power of two: masked
+def test_embedding_gathers_the_rows_of_the_ids(rows, n):
+    gen = torch.Generator().manual_seed(rows)
+    vocab = 500
+    weight = torch.randn(vocab, n, generator=gen).to(DEVICE, torch.bfloat16)
+    ids = torch.randint(vocab, (rows,), generator=gen).to(DEVICE)
+    ids[:2] = torch.tensor([vocab - 1, 0])[:rows]  # the table's last and first rows
+    assert torch.equal(embedding_triton(ids, weight), torch.nn.functional.embedding(ids, weight))
