@@ -176,8 +176,8 @@ def test_decode_graphs_sample_temperature_steps_as_the_eager_sampler_does(tiny_b
     short of min_tokens (its EOS suppressed) sample eagerly."""
     replayed_rows = []
     sample = DecodeGraphs.sample
-    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, meta: replayed_rows.append(meta.block_tables.size(0))
-                        or sample(self, meta))
+    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, meta, num_seqs: replayed_rows.append(num_seqs)
+                        or sample(self, meta, num_seqs))
     params = [SamplingParams(temperature=0, min_tokens=6, max_tokens=8, stop_token_ids=[3]) if i == 0 else
               SamplingParams(temperature=0.8, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     outputs = {}

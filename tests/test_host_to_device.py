@@ -58,22 +58,25 @@ def test_a_step_copies_its_inputs_to_the_device_once(tiny_model, prompts):
 def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model, temperatures):
     """A decode graph of R rows reads its inputs at the offsets that packing R padding rows gave at capture
     (cuda_graph.DecodeGraphs): a real step's rows, padded to R, must land at the same offsets. Graphs that
-    sample read the rows' temperatures too."""
+    sample read the rows' temperatures and the step's noise seed too; the block tables come last, as wide as the
+    graph's (here 3 blocks)."""
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton") as llm:
         inputs = llm.model_runner.inputs
         inputs.decode_temperatures = temperatures
+        inputs.seed = 12345
         seqs = llm.make_sequences([[5, 6, 7], list(range(1, 21))],
                                   [SamplingParams(temperature=0.5), SamplingParams(temperature=0)])
         for block, seq in enumerate(seqs):  # as the scheduler leaves them for a decode step
             seq.block_table = [2 * block + 1, 2 * block + 2][:seq.num_blocks]
             seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
-        rows = inputs.decode_rows(seqs, 4)
-        capture = inputs.decode_rows([], 4)
+        rows = inputs.decode_rows(seqs, 4, 3)
+        capture = inputs.decode_rows([], 4, 3)
 
     assert {name: array.tolist() for name, array in rows.items()} == {
         "input_ids": [7, 20, 0, 0], "positions": [2, 19, 0, 0], "slot_mapping": [1 * 16 + 2, 4 * 16 + 3, -1, -1],
         "context_lens": [3, 20, 0, 0], "decode_order": [1, 0, 2, 3],
-        **({"temperatures": [0.5, 0, 0, 0]} if temperatures else {})}
+        **({"temperatures": [0.5, 0, 0, 0], "seed": [12345]} if temperatures else {}),
+        "block_tables": [[1, 0, 0], [3, 4, 0], [0, 0, 0], [0, 0, 0]]}
     assert [(a.dtype, a.shape) for a in rows.values()] == [(a.dtype, a.shape) for a in capture.values()]
 
     def offsets(arrays):
@@ -81,7 +84,7 @@ def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model, temperature
         views = to_device_packed(arrays, lambda packed: buffer.append(packed) or torch.from_numpy(packed))
         return {name: views[name].data_ptr() - buffer[0].ctypes.data for name in capture}
 
-    step = {**rows, "block_tables": np.zeros((2, 2), dtype=np.int32), "inflight": np.arange(2)}
+    step = {**rows, "inflight": np.arange(2)}
     assert offsets(step) == offsets(capture)
 
 
@@ -112,7 +115,7 @@ def test_the_largest_decode_step_fits_the_graphs_input_buffer():
     assert input_ids.tolist() == list(range(100 + rows - 1, 99, -1))  # the in-flight tokens, read "on the device"
     assert meta.block_tables.shape == (rows, width)
     capacity = decode_inputs_bytes(rows, width)
-    assert capacity - 9 * ALIGNMENT <= packed[0] <= capacity
+    assert capacity - 10 * ALIGNMENT <= packed[0] <= capacity
 
 
 def test_a_batch_runs_in_the_smallest_bucket_that_holds_it():
@@ -142,3 +145,21 @@ def test_in_flight_tokens_in_the_last_steps_order_are_copied(monkeypatch, rows, 
     input_ids, _, _ = inputs.prepare_decode([last[row] for row in rows])
     assert input_ids.tolist() == [7 + row for row in rows]
     assert ("inflight" in packed_names[0]) == (not copied)
+
+
+def test_each_step_draws_one_noise_seed_from_torchs_generator():
+    """prepare_prefill and prepare_decode each draw the step's noise seed (StepInputs.seed), which every sampler
+    path of the step reads: torch.manual_seed reproduces the draws, and a new step draws a new one."""
+    inputs = StepInputs(torch.device("cpu"), 16, decode_order=False)
+    seqs = in_flight_decode_batch(2)
+    inputs.keep_sampled(torch.tensor([7, 8]), seqs)
+    prompt = Sequence([1, 2, 3], SamplingParams(), 16)
+    prompt.block_table, prompt.num_scheduled_tokens = [5], 3
+    drawn = []
+    for _ in range(2):
+        torch.manual_seed(4)
+        inputs.prepare_decode(seqs)
+        first = inputs.seed
+        inputs.prepare_prefill([prompt])
+        drawn.append((first, inputs.seed))
+    assert drawn[0] == drawn[1] and drawn[0][0] != drawn[0][1]

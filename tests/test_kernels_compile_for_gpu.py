@@ -39,6 +39,7 @@ SKINNY_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}
 SKINNY = dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, PDL=True, PREFETCH_LINES=4,
               GATED=False, X_SPLITS=0, X_HEAD_DIM=0, X_GATED=False, X_ROWS=0)
 NORM_POINTERS = {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
+SAMPLER = {"logits_ptr": "*bf16", "tokens_ptr": "*i64", "arrivals_ptr": "*i32", "out_ptr": "*i64", "seed_ptr": "*i64"}
 SEARCH = {"logits_ptr": "*bf16", "active_ptr": "*i8", "lo_ptr": "*i32", "arrivals_ptr": "*i32"}
 SEARCH_SIZES = dict(NUM_BUCKETS=16, NUM_BINS=32, BLOCK=512)
 
@@ -89,13 +90,15 @@ def configurations():
         "store fp8": ("nanovllm.layers.kv_cache", "_store_kvcache_kernel",
                       {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
                        "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64"}, [], {**STORE, "FP8": True}),
-        "sampler": ("nanovllm.layers.sampler", "_sample_kernel",
-                    {"logits_ptr": "*bf16", "tokens_ptr": "*i64", "seed_ptr": "*i64"}, [],
-                    dict(FILTERED=False, ROW_SEEDS=False, BLOCK=4096, FAST_LOG=True)),
+        "sampler": ("nanovllm.layers.sampler", "_sample_kernel", SAMPLER, [],
+                    dict(FILTERED=False, ROW_SEEDS=False, BLOCK=4096, MAX_CHUNKS=1, FAST_LOG=True)),
+        "sampler, rows split": ("nanovllm.layers.sampler", "_sample_kernel", SAMPLER, [],
+                                dict(FILTERED=False, ROW_SEEDS=False, BLOCK=1024, MAX_CHUNKS=256, FAST_LOG=True)),
         "sampler, filtered and seeded": ("nanovllm.layers.sampler", "_sample_kernel",
-                                         {"logits_ptr": "*bf16", "tokens_ptr": "*i64", "row_seeds_ptr": "*i64",
-                                          "seed_ptr": "*i64"}, [],
-                                         dict(FILTERED=True, ROW_SEEDS=True, BLOCK=1024, FAST_LOG=True)),
+                                         {**SAMPLER, "row_seeds_ptr": "*i64"}, [],
+                                         dict(FILTERED=True, ROW_SEEDS=True, BLOCK=1024, MAX_CHUNKS=4, FAST_LOG=True)),
+        "embedding": ("nanovllm.layers.embed_head", "_embedding_kernel",
+                      {"ids_ptr": "*i64", "weight_ptr": "*bf16", "out_ptr": "*bf16"}, [], dict(BLOCK=1024, PDL=True)),
         "top-p search pass": (filters, "_search_pass_kernel", SEARCH, [],
                               dict(FIRST=True, KEY_SHIFT=16, **SEARCH_SIZES)),
         "top-p search pass, float32": (filters, "_search_pass_kernel", {**SEARCH, "logits_ptr": "*fp32"}, [],

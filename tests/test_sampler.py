@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nanovllm.layers.sampler import sample_torch, sample_triton
+from nanovllm.utils import device as device_facts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -63,6 +64,22 @@ def test_rows_split_into_chunks_draw_the_one_pass_tokens():
             assert torch.equal(sample_triton(logits[rows], temperatures[rows], seed=9, num_chunks=num_chunks),
                                one_pass)
     assert one_pass[1:4].tolist() == [100, 2100, logits[3].argmax().item()] and one_pass[4].item() >= 2048
+
+
+def test_split_rows_write_into_out_and_leave_their_arrival_counts_zeroed():
+    """The last chunk of a row to finish writes its token into out and sets the row's count back to 0, so the
+    next launch (or a CUDA graph's next replay), which shares the counts, merges again."""
+    torch.manual_seed(5)
+    logits = torch.randn(3, 5000, device=DEVICE) * 3
+    temperatures = torch.tensor([0.0, 0.9, 1.2], device=DEVICE)
+    for seed in (1, 2):
+        one_pass = sample_triton(logits, temperatures, seed, num_chunks=1)
+        for num_chunks in (1, 4):
+            out = torch.full((3,), -1, dtype=torch.int64, device=DEVICE)
+            assert sample_triton(logits, temperatures, seed, num_chunks=num_chunks, out=out) is out
+            assert torch.equal(out, one_pass)
+    counts = device_facts._ARRIVAL_COUNTS["sampler chunks", logits.device]
+    assert sum(c.count_nonzero().item() for c in counts) == 0
 
 
 @needs_cuda

@@ -23,6 +23,7 @@ from nanovllm.layers.qk_norm_rope import NormRopeInputs, qk_norm_rope  # noqa: E
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, default_inv_freq  # noqa: E402
 from nanovllm.layers.skinny_gemm import SplitKSum  # noqa: E402
 from nanovllm.layers.split_softmax import SplitSoftmax  # noqa: E402
+from nanovllm.utils import device as device_facts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -151,7 +152,7 @@ def test_decode_splits_leave_their_counts_zeroed():
     count back to 0, so the next launch, which shares the counts, merges again."""
     for _ in range(2):
         check_decode([700, 3, 0, 129, 0], 16, 4, 2, 32, num_splits=8)
-    counts = triton_decode._SPLIT_COUNTS[torch.empty(0, device=DEVICE).device]
+    counts = device_facts._ARRIVAL_COUNTS["decode splits", torch.empty(0, device=DEVICE).device]
     assert sum(c.count_nonzero().item() for c in counts) == 0
 
 

@@ -27,30 +27,31 @@ def smallest_bucket(buckets: list[int], rows: int) -> int:
 def decode_inputs_bytes(max_num_seqs: int, max_blocks_per_seq: int) -> int:
     """What StepInputs.prepare_decode packs at most: per row, the row arrays (token id, position and slot in
     int64; context length and decode order in int32; temperature in float32), the block-table row and the two
-    int64 in-flight arrays; each of the nine arrays padded to ALIGNMENT."""
-    return max_num_seqs * (3 * 8 + 3 * 4 + 4 * max_blocks_per_seq + 2 * 8) + 9 * ALIGNMENT
+    int64 in-flight arrays; the noise seed (int64); each of the ten arrays padded to ALIGNMENT."""
+    return max_num_seqs * (3 * 8 + 3 * 4 + 4 * max_blocks_per_seq + 2 * 8) + 8 + 10 * ALIGNMENT
 
 
 class DecodeGraphs:
     """A graph per batch-size bucket reads its per-row inputs (token ids, positions, slots, context lengths,
     decode order) where the step's one packed host-to-device copy puts them: the start of `inputs`, at the
     offsets host_to_device.to_device_packed gives arrays of the bucket's row count (StepInputs.decode_rows
-    pads them). Only the block tables, whose width varies, are copied into the graphs' own buffer.
+    pads them; the block tables at their widest, max_blocks_per_seq).
 
-    With a `sampler` (rank 0 of a single-GPU engine, whose StepInputs pack decode_temperatures) each bucket also
-    has a graph of the step's head: lm_head and the one-pass temperature sampler, seeded at each replay by
-    torch's generator as the eager sampler is. A step whose rows sample by temperature alone (`samples`)
-    launches it (`sample`) instead of lm_head and the sampler: ~250 µs less host work a step, which on a slow
-    host set the pace of a single stream (BENCHMARKS.md, twenty-second session)."""
+    With a `sampler` (rank 0 of a single-GPU engine, whose StepInputs pack decode_temperatures and the step's
+    noise seed) each bucket also has a graph of the step's head: lm_head and the one-pass temperature sampler,
+    seeded by the step's inputs as the eager sampler is, its tokens written into `tokens`. A step whose rows
+    sample by temperature alone (`samples`) launches it (`sample`) instead of lm_head and the sampler: ~250 µs
+    less host work a step, which on a slow host set the pace of a single stream (BENCHMARKS.md, twenty-second
+    session)."""
 
     def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int, sampler: Sampler | None = None):
         self.model = runner.model
         self.sampler = sampler
         self.buckets = batch_buckets(max_num_seqs)
         self.max_batch_size = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
         self.inputs = torch.zeros(decode_inputs_bytes(max_num_seqs, max_blocks_per_seq), dtype=torch.uint8,
                                   device=runner.device)
-        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -73,9 +74,10 @@ class DecodeGraphs:
     def _capture_all(self, runner):
         # Largest first, so smaller graphs fit in the memory pool the largest one reserved.
         for bs in reversed(self.buckets):
-            rows = to_device_packed(runner.inputs.decode_rows([], bs), self.to_device)  # padding rows only
+            # padding rows only
+            rows = to_device_packed(runner.inputs.decode_rows([], bs, self.max_blocks_per_seq), self.to_device)
             meta = AttentionMetadata(is_prefill=False, slot_mapping=rows["slot_mapping"],
-                                     context_lens=rows["context_lens"], block_tables=self.block_tables[:bs],
+                                     context_lens=rows["context_lens"], block_tables=rows["block_tables"],
                                      decode_order=rows.get("decode_order"))
             args = (rows["input_ids"], rows["positions"], meta)
             self.model(*args)  # warm-up (kernel selection, autotuning) outside the capture
@@ -86,36 +88,35 @@ class DecodeGraphs:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
             if self.sampler is not None:
-                self.head_graphs[bs] = self._capture_head(self.outputs[bs], rows["temperatures"])
+                self.head_graphs[bs] = self._capture_head(self.outputs[bs], rows["temperatures"], rows["seed"])
             torch.cuda.synchronize()
 
-    def _capture_head(self, hidden: torch.Tensor, temperatures: torch.Tensor) -> torch.cuda.CUDAGraph:
+    def _capture_head(self, hidden: torch.Tensor, temperatures: torch.Tensor,
+                      seed: torch.Tensor) -> torch.cuda.CUDAGraph:
         """A graph of lm_head over `hidden` and the temperature sampler, its tokens into self.tokens."""
-        meta = SamplingMetadata(temperatures)
-        self.sampler(self.model.compute_logits(hidden), meta)  # warm-up (compiles the sampler) outside the capture
+        meta, tokens = SamplingMetadata(temperatures, seed), self.tokens[:len(hidden)]
+        self.sampler(self.model.compute_logits(hidden), meta, out=tokens)  # warm-up (compiles) outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self.pool):
-            self.tokens[:len(hidden)].copy_(self.sampler(self.model.compute_logits(hidden), meta).token_ids)
+            self.sampler(self.model.compute_logits(hidden), meta, out=tokens)
         return graph
 
-    def replay(self, meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of a step whose inputs StepInputs.prepare_decode copied to `inputs` (padded to
-        its bucket's rows); meta.block_tables holds the real rows' tables."""
-        bs, width = meta.block_tables.shape
+    def replay(self, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:
+        """The hidden states [num_seqs] of a step whose inputs StepInputs.prepare_decode copied to `inputs`
+        (padded to its bucket's rows)."""
         graph_bs = meta.context_lens.size(0)
-        self.block_tables[:bs, :width] = meta.block_tables
         self.graphs[graph_bs].replay()
-        return self.outputs[graph_bs][:bs]
+        return self.outputs[graph_bs][:num_seqs]
 
     def samples(self, seqs: list[Sequence]) -> bool:
         """Whether the head graphs sample the step of `seqs`: every row by its temperature alone."""
         return self.sampler is not None and only_temperature(seqs)
 
-    def sample(self, meta: AttentionMetadata) -> torch.Tensor:
-        """The tokens [rows] of the step just replayed (same meta), by its bucket's head graph: a view of
+    def sample(self, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:
+        """The tokens [num_seqs] of the step just replayed (same meta), by its bucket's head graph: a view of
         self.tokens, valid until the next head graph replays."""
         self.head_graphs[meta.context_lens.size(0)].replay()
-        return self.tokens[:meta.block_tables.size(0)]
+        return self.tokens[:num_seqs]
 
     def release(self):
         self.graphs.clear()
@@ -145,13 +146,13 @@ class SamplerGraphs:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], to_device: ToDevice,
-                 inflight_tokens: InflightTokens | None = None) -> SamplerOutput:
+                 inflight_tokens: InflightTokens | None = None, seed: int | None = None) -> SamplerOutput:
         """A token per sequence of a batch the graphs apply to (see build_sampling_metadata for the
         arguments), by the graph of its shape. The graph's output tensors are views of its static
         buffers, valid until its next replay."""
         num_rows, vocab_size = logits.shape
         graph_rows = smallest_bucket(self.buckets, num_rows)
-        meta = build_sampling_metadata(seqs, vocab_size, to_device, inflight_tokens, num_rows=graph_rows)
+        meta = build_sampling_metadata(seqs, vocab_size, to_device, inflight_tokens, num_rows=graph_rows, seed=seed)
         if self.logits is None:
             self.logits = logits.new_zeros(self.max_batch_size, vocab_size)
         key = meta.shape_key()

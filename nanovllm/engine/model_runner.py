@@ -215,9 +215,9 @@ class ModelRunner:
         else:
             graphs = self.graphs if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size else None
             input_ids, positions, meta = self.inputs.prepare_decode(seqs, graphs)
-            hidden = graphs.replay(meta) if graphs is not None else self.model(input_ids, positions, meta)
+            hidden = graphs.replay(meta, len(seqs)) if graphs is not None else self.model(input_ids, positions, meta)
             if graphs is not None and graphs.samples(seqs):  # lm_head and the sampler in a graph too (rank 0 alone)
-                tokens = graphs.sample(meta)
+                tokens = graphs.sample(meta, len(seqs))
                 self.inputs.keep_sampled(tokens, seqs)
                 return PendingOutput(SamplerOutput(tokens), self.channel)
             sampling_seqs = seqs
@@ -237,9 +237,10 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Rank 0: a token per sequence, by a sampler graph where one applies, else eagerly."""
         if self.sampler_graphs is not None and self.sampler_graphs.applies(seqs):
-            return self.sampler_graphs(logits, seqs, self.inputs.to_device, self.inputs.inflight_tokens)
+            return self.sampler_graphs(logits, seqs, self.inputs.to_device, self.inputs.inflight_tokens,
+                                       self.inputs.seed)
         return self.sampler(logits, build_sampling_metadata(seqs, logits.shape[1], self.inputs.to_device,
-                                                            self.inputs.inflight_tokens))
+                                                            self.inputs.inflight_tokens, seed=self.inputs.seed))
 
 
 class PendingOutput:

@@ -21,19 +21,26 @@ ALL_CONTROLS = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, repetition_penalt
                               frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
 
 
+def noise_seed() -> int:
+    """A step's noise seed (SamplingMetadata.seed), drawn on the host by torch's default generator."""
+    return torch.randint(2**31 - 1, ()).item()
+
+
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: ToDevice,
-                            inflight_tokens: InflightTokens | None = None,
-                            num_rows: int | None = None) -> SamplingMetadata:
+                            inflight_tokens: InflightTokens | None = None, num_rows: int | None = None,
+                            seed: int | None = None) -> SamplingMetadata:
     """`seqs`: the sequences that sample this step, one row each; `to_device` copies a host array to
     the device (the model runner's pinned, non-blocking copy), called with the small arrays packed into
     one; `inflight_tokens` gives the last tokens of sequences whose previous step has not reached
-    the host yet, on the device (penalties count them).
+    the host yet, on the device (penalties count them); `seed`: the step's noise seed (StepInputs.seed;
+    None draws one).
 
     num_rows: pad to this many rows (greedy, with every control off) and round the other sizes up to
     powers of two (top-k candidates, penalised token ids, suppressed ids), so that a few shapes recur
     from step to step, as CUDA graphs of the sampler need (cuda_graph.SamplerGraphs)."""
     shape = _Shape(len(seqs), num_rows)
-    host = {"temperatures": shape.rows([seq.temperature for seq in seqs], 0, np.float32)}
+    host = {"temperatures": shape.rows([seq.temperature for seq in seqs], 0, np.float32),
+            "seed": np.array([noise_seed() if seed is None else seed], dtype=np.int64)}
     suppressed = [(row, token_id) for row, seq in enumerate(seqs) if suppresses_stop_ids(seq)
                   for token_id in seq.min_tokens_stop_ids]
     if suppressed:  # padded with repeats of the first pair: suppressing it twice changes nothing
@@ -69,9 +76,9 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: To
         if "inflight" in device:  # fill in the tokens whose values are still on the device
             rows, positions = device["inflight"]
             penalties.ids[rows, positions] = inflight_tokens([seqs[row] for row in host["inflight"][0]])
-    return SamplingMetadata(device["temperatures"], top_k=device.get("top_k"), top_p=device.get("top_p"),
-                            max_top_k=max_top_k, top_p_within_top_k=top_p_within_top_k, min_p=device.get("min_p"),
-                            penalties=penalties, row_seeds=device.get("row_seeds"),
+    return SamplingMetadata(device["temperatures"], device["seed"], top_k=device.get("top_k"),
+                            top_p=device.get("top_p"), max_top_k=max_top_k, top_p_within_top_k=top_p_within_top_k,
+                            min_p=device.get("min_p"), penalties=penalties, row_seeds=device.get("row_seeds"),
                             suppressed=tuple(device["suppressed"]) if "suppressed" in device else None,
                             num_logprobs=num_logprobs)
 

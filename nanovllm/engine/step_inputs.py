@@ -7,6 +7,7 @@ import torch
 
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.host_to_device import pinned, to_device_packed
+from nanovllm.engine.sampling_metadata import noise_seed
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.layers.attention import AttentionMetadata, dequantizing_pays, workspace_groups
 
@@ -24,6 +25,9 @@ class StepInputs:
         self.decode_temperatures = False
         # Where prefill over an fp8 prefix dequantizes it (attention.triton_attention), or None.
         self.dequant_workspace: torch.Tensor | None = None
+        # The step's noise seed (SamplingMetadata.seed), one drawn by each prepare_* call, whichever sampler
+        # runs the step (a head graph, the eager sampler or a sampler graph), so that each draws what another would.
+        self.seed = 0
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)
         self.last_token_rows: dict[int, int] = {}  # seq_id -> row in last_tokens
 
@@ -32,9 +36,11 @@ class StepInputs:
             return pinned(array).to(self.device, non_blocking=True)
         return torch.from_numpy(array)
 
-    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
+    @staticmethod
+    def _block_tables(seqs: list[Sequence], rows: int | None = None, width: int | None = None) -> np.ndarray:
+        """The sequences' block tables, zero-padded to `rows` rows and `width` blocks (default: theirs)."""
+        width = max(len(seq.block_table) for seq in seqs) if width is None else width
+        tables = np.zeros((len(seqs) if rows is None else rows, width), dtype=np.int32)
         for i, seq in enumerate(seqs):
             tables[i, :len(seq.block_table)] = seq.block_table
         return tables
@@ -45,6 +51,7 @@ class StepInputs:
         token of every sequence whose prefill completes in this step. Prefill chunks hold no placeholder:
         a preempted sequence is re-prefilled only after the step that sampled its last token has been
         postprocessed."""
+        self.seed = noise_seed()
         input_ids, positions, slots = [], [], []
         cu_q, cu_k, sample_rows = [0], [0], []
         for seq in seqs:
@@ -81,11 +88,12 @@ class StepInputs:
             meta.dequant_groups = workspace_groups(cu_q, cu_k, self.dequant_workspace.shape[1])
         return device["input_ids"], device["positions"], meta, device["sample_rows"]
 
-    def decode_rows(self, seqs: list[Sequence], rows: int) -> dict[str, np.ndarray]:
+    def decode_rows(self, seqs: list[Sequence], rows: int, table_width: int) -> dict[str, np.ndarray]:
         """A decode step's per-row inputs: one token per sequence, its last at position len - 1, then padding
         up to `rows` rows (a CUDA graph's batch size), which hold token 0 at position 0, write no cache slot
         and read no key, and keep their place in the decode order; with decode_temperatures, each row's
-        temperature (the padding rows greedy)."""
+        temperature (the padding rows greedy) and the step's noise seed; last, the block tables [rows,
+        table_width] (a CUDA graph's: its widest, so that they land where it reads them)."""
         def padded(values: np.ndarray, fill: int) -> np.ndarray:
             if len(values) == rows:
                 return values
@@ -105,14 +113,19 @@ class StepInputs:
             host["decode_order"] = order
         if self.decode_temperatures:
             host["temperatures"] = padded(np.array([seq.temperature for seq in seqs], dtype=np.float32), 0)
+            host["seed"] = np.array([self.seed], dtype=np.int64)
+        host["block_tables"] = self._block_tables(seqs, rows, table_width)
         return host
 
     def prepare_decode(self, seqs: list[Sequence], graphs: DecodeGraphs | None = None):
         """The decode inputs of `seqs` (input_ids, positions, meta) on the device; with `graphs`, padded to
         the bucket's rows, where its graph reads them. A last token still in flight (a placeholder) is the
         previous step's sampled token, read on the device."""
-        host = self.decode_rows(seqs, graphs.bucket(len(seqs)) if graphs is not None else len(seqs))
-        host["block_tables"] = self._block_tables(seqs)
+        self.seed = noise_seed()
+        if graphs is not None:
+            host = self.decode_rows(seqs, graphs.bucket(len(seqs)), graphs.max_blocks_per_seq)
+        else:
+            host = self.decode_rows(seqs, len(seqs), max(len(seq.block_table) for seq in seqs))
         inflight = np.flatnonzero(host["input_ids"] == PLACEHOLDER)
         rows = self._rows_in_last_tokens([seqs[i] for i in inflight])  # in last_tokens
         # Steady decode: every token in flight and the rows in the previous step's order, so one copy of the

@@ -3,8 +3,8 @@
 argmax_v p_v / E_v with E_v ~ Exp(1) draws v with probability p_v; in log space that is
 argmax_v logit_v / T + G_v with Gumbel noise G_v = -log(-log U_v). On CUDA one Triton kernel does it
 in a single pass over the logits (no softmax, no float32 copy, no host sync per sequence); when the
-rows are fewer than eight per SM, it splits each row over several programs and a tiny pass picks the best
-of each row's chunks.
+rows are fewer than eight per SM, it splits each row over several programs, and the last of a row's
+programs to finish picks the best of its chunks.
 
 A batch in which some row uses top-k / top-p / min-p, penalties, a seed or logprobs takes the general
 path, still one call for the whole batch. On CUDA: penalties on a float32 copy (`logits_processor.py`,
@@ -24,7 +24,7 @@ from triton.language.extra import libdevice
 
 from nanovllm.layers.logits_processor import apply_min_p, apply_penalties, apply_top_k_top_p
 from nanovllm.layers.sampling_filters import filter_thresholds
-from nanovllm.utils.device import num_sms
+from nanovllm.utils.device import arrival_counts, num_sms
 
 
 @triton.jit
@@ -50,9 +50,12 @@ def _gumbel(uniform, FAST_LOG: tl.constexpr):
 
 @triton.jit
 def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, thresholds_ptr, row_seeds_ptr, scores_ptr, tokens_ptr,
-                   seed_ptr, vocab_size, chunk_size, FILTERED: tl.constexpr, ROW_SEEDS: tl.constexpr,
-                   BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
-    """Program (row, chunk): the best score of the chunk's columns and its token, into [rows, chunks].
+                   arrivals_ptr, out_ptr, seed_ptr, vocab_size, chunk_size, FILTERED: tl.constexpr,
+                   ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, FAST_LOG: tl.constexpr):
+    """Program (row, chunk): the best score of the chunk's columns and its token. With one chunk a row
+    (MAX_CHUNKS 1) that is the row's token, into out [rows]. Else it goes into [rows, chunks] partials, and
+    the last of the row's programs to finish (counted in arrivals [rows], which it sets back to 0 for the next
+    launch) writes the token of the best chunk, the earliest on ties, as torch.argmax would pick it.
     The noise is keyed by the step's seed (read from the device: a CUDA graph replays with a new one).
     FILTERED: logits below the row's threshold are out. ROW_SEEDS: a row with a seed key (>= 0) draws
     its noise from that key alone, so its token does not depend on the row's place in the batch."""
@@ -85,9 +88,23 @@ def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, thresholds_ptr, 
         better = block_best > best_score  # strict: the earliest maximum wins, as torch.argmax
         best_token = tl.where(better, start + block_token, best_token)
         best_score = tl.where(better, block_best, best_score)
-    out = row * tl.num_programs(1) + chunk
-    tl.store(scores_ptr + out, best_score)
-    tl.store(tokens_ptr + out, best_token)
+    if MAX_CHUNKS == 1:
+        tl.store(out_ptr + row, best_token)
+    else:
+        num_chunks = tl.num_programs(1)
+        partial = row * num_chunks + chunk
+        tl.store(scores_ptr + partial, best_score)
+        tl.store(tokens_ptr + partial, best_token)
+        # Every thread's stores come before the count (one thread's atomic, releasing them at GPU scope).
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:
+            chunks = tl.arange(0, MAX_CHUNKS)
+            # the other programs' partials from L2 (.cg), past this SM's L1
+            scores = tl.load(scores_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=-float("inf"),
+                             cache_modifier=".cg")
+            _, best_chunk = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            tl.store(out_ptr + row, tl.load(tokens_ptr + row * num_chunks + best_chunk, cache_modifier=".cg"))
+            tl.store(arrivals_ptr + row, 0)
 
 
 CHUNK_BLOCK = 1024  # columns per block, and the smallest chunk, when rows are split
@@ -95,12 +112,12 @@ CHUNK_BLOCK = 1024  # columns per block, and the smallest chunk, when rows are s
 
 def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | torch.Tensor,
                   num_chunks: int | None = None, thresholds: torch.Tensor | None = None,
-                  row_seeds: torch.Tensor | None = None) -> torch.Tensor:
-    """logits: [rows, vocab] -> [rows] int64. One program per row, in one pass, once the rows fill the GPU;
-    with fewer than eight rows per SM each row's vocabulary is split over up to `num_chunks` programs (by
-    default about eight programs per SM; one chunk on CPU) and a second pass takes each row's best chunk,
-    the earliest on ties. The tokens are the same for any split. (H200, Qwen3's vocabulary: 80 us at 128
-    rows against 102 us with two programs per SM, 48.7 against 58.2 at 64 rows; BENCHMARKS.md.)
+                  row_seeds: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [rows, vocab] -> [rows] int64 (into out, if given). One program per row, in one pass, once the
+    rows fill the GPU; with fewer than eight rows per SM each row's vocabulary is split over up to `num_chunks`
+    programs (by default about eight programs per SM; one chunk on CPU), the last of which to finish takes the
+    row's best chunk, the earliest on ties. The tokens are the same for any split. (H200, Qwen3's vocabulary:
+    80 us at 128 rows against 102 us with two programs per SM, 48.7 against 58.2 at 64 rows; BENCHMARKS.md.)
 
     thresholds: [rows] float32, the smallest logit each row keeps (see sampling_filters).
     row_seeds: [rows] int64 Philox keys of the seeded rows, -1 for rows drawing from `seed`."""
@@ -108,6 +125,8 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | 
     assert logits.stride(1) == 1
     if isinstance(seed, int):
         seed = torch.tensor([seed], dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_chunks is None:
         num_chunks = max(1, 8 * num_sms(logits.device) // num_rows) if logits.is_cuda else 1
     if num_chunks == 1:
@@ -116,15 +135,17 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | 
         block, num_warps = CHUNK_BLOCK, 4
         chunk_size = triton.cdiv(triton.cdiv(vocab_size, num_chunks), block) * block
         num_chunks = triton.cdiv(vocab_size, chunk_size)
-    scores = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-    tokens = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
-    _sample_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), temperatures, thresholds, row_seeds, scores, tokens, seed, vocab_size, chunk_size,
-        FILTERED=thresholds is not None, ROW_SEEDS=row_seeds is not None, BLOCK=block, FAST_LOG=logits.is_cuda,
-        num_warps=num_warps)
     if num_chunks == 1:
-        return tokens.squeeze(1)
-    return tokens.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)  # argmax: the earliest best chunk
+        scores = tokens = arrivals = out  # unused
+    else:
+        scores = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+        tokens = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+        arrivals = arrival_counts("sampler chunks", num_rows, logits.device)
+    _sample_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), temperatures, thresholds, row_seeds, scores, tokens, arrivals, out, seed,
+        vocab_size, chunk_size, FILTERED=thresholds is not None, ROW_SEEDS=row_seeds is not None, BLOCK=block,
+        MAX_CHUNKS=triton.next_power_of_2(num_chunks), FAST_LOG=logits.is_cuda, num_warps=num_warps)
+    return out
 
 
 def exponential_race(logits: torch.Tensor, generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
@@ -159,6 +180,10 @@ class SamplingMetadata:
     uses is None (or empty), so a temperature-only batch keeps the one-pass kernel."""
 
     temperatures: torch.Tensor  # [rows] float32, 0 = greedy
+    # [1] int64: the noise seed of the rows without a seed of their own (the Triton race; the torch reference
+    # draws from torch's generator), drawn on the host by torch's generator (sampling_metadata.noise_seed), so
+    # that torch.manual_seed reproduces runs and a CUDA graph of the sampler holds no random-number op.
+    seed: torch.Tensor
     top_k: torch.Tensor | None = None  # [rows] int64, vocab_size = off
     top_p: torch.Tensor | None = None  # [rows] float32, 1 = off
     max_top_k: int | None = None  # the largest k of the rows with top-k, or more (candidates of top-k)
@@ -179,7 +204,8 @@ class SamplingMetadata:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor, in a fixed order."""
-        tensors = [self.temperatures, self.top_k, self.top_p, self.min_p, self.row_seeds, *(self.suppressed or ())]
+        tensors = [self.temperatures, self.seed, self.top_k, self.top_p, self.min_p, self.row_seeds,
+                   *(self.suppressed or ())]
         if self.penalties is not None:
             p = self.penalties
             tensors += [p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence]
@@ -241,7 +267,8 @@ def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> 
     return torch.where(greedy, greedy_tokens, exponential_race(logits, generators))
 
 
-def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata, seed: torch.Tensor) -> torch.Tensor:
+def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata, seed: torch.Tensor,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
     """The general path with Triton kernels, in the same order: penalties (on a float32 copy), then the
     filters as one threshold per row (sampling_filters), then the one-pass race, which skips logits
     under the threshold and keys each seeded row's noise on its own Philox key."""
@@ -253,7 +280,7 @@ def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata, se
     if meta.top_k is not None or meta.top_p is not None or meta.min_p is not None:
         thresholds = filter_thresholds(logits, meta.temperatures, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k,
                                        not meta.top_p_within_top_k)
-    return sample_triton(logits, meta.temperatures, seed, thresholds=thresholds, row_seeds=meta.row_seeds)
+    return sample_triton(logits, meta.temperatures, seed, thresholds=thresholds, row_seeds=meta.row_seeds, out=out)
 
 
 class Sampler(nn.Module):
@@ -263,9 +290,9 @@ class Sampler(nn.Module):
         super().__init__()
         self.use_triton = use_triton
 
-    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: [rows, vocab] (modified in place) -> a token per row, plus log-probabilities if asked,
-        on the device: nothing here waits for the GPU."""
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata, out: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [rows, vocab] (modified in place) -> a token per row (into out [rows] int64, if given), plus
+        log-probabilities if asked, on the device: nothing here waits for the GPU."""
         # Log-probabilities of the model's raw logits, before penalties, temperature and filtering, as
         # vLLM returns by default (logprobs_mode="raw_logprobs"): logit - logsumexp(row), the top N
         # taken from the raw logits, whose order is the log-softmax's (no [rows, vocab] log-softmax).
@@ -276,18 +303,17 @@ class Sampler(nn.Module):
             logits.index_put_(meta.suppressed, logits.new_full((), -float("inf")))
         use_triton = logits.is_cuda if self.use_triton is None else self.use_triton
         if use_triton:
-            # The noise seed of the unseeded rows, drawn by torch's generator of the logits' device
-            # (torch.manual_seed reproduces runs) without a host sync, so a CUDA graph of this call
-            # draws a new one at every replay.
-            seed = torch.randint(2**31 - 1, (1,), device=logits.device)
             if meta.only_temperature:
-                tokens = sample_triton(logits, meta.temperatures, seed)
+                tokens = sample_triton(logits, meta.temperatures, meta.seed, out=out)
             else:
-                tokens = sample_with_controls_triton(logits, meta, seed)
-        elif meta.only_temperature:
-            tokens = sample_torch(logits, meta.temperatures)
+                tokens = sample_with_controls_triton(logits, meta, meta.seed, out=out)
         else:
-            tokens = sample_with_controls_torch(logits, meta)
+            if meta.only_temperature:
+                tokens = sample_torch(logits, meta.temperatures)
+            else:
+                tokens = sample_with_controls_torch(logits, meta)
+            if out is not None:
+                tokens = out.copy_(tokens)
         if meta.num_logprobs is None:
             return SamplerOutput(tokens)
         sampled = logits.gather(1, tokens.unsqueeze(1))  # still the raw logit: a suppressed token is never drawn

@@ -21,7 +21,7 @@ from nanovllm.layers.triton_attention import (
     tile_blocks,
     v_scaled_weights,
 )
-from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
+from nanovllm.utils.device import arrival_counts, num_sms, pdl_enabled, prefetch_to_l2
 
 
 @triton.jit
@@ -264,21 +264,6 @@ def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
     return min(64, max(16, 8192 // head_dim)), 4, 3
 
 
-# Per device, the decode kernel's split counts (zeroed int32, which every launch leaves zeroed): the last
-# buffer serves all launches, which the device's stream runs one after another. The heuristic splits only
-# batches of B * KVH <= 2 * SMs rows, so 1,024 counts last; a launch that needs more (num_splits given) gets
-# a new buffer, and the old ones stay alive for the CUDA graphs captured with them.
-_SPLIT_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counts(n: int, device: torch.device) -> torch.Tensor:
-    """At least n zeroed int32 counts on `device` for the decode kernel's splits."""
-    buffers = _SPLIT_COUNTS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None, v_scale=None,
                            order=None, out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None,
                            from_qkv: NormRopeInputs | None = None,
@@ -322,7 +307,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_max = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
-        split_counts = _split_counts(B * kvh, q.device) if last_split_merges else out  # else unused
+        # (The heuristic splits only batches of B * KVH <= 2 * SMs rows: the first 1,024 counts last.)
+        split_counts = arrival_counts("decode splits", B * kvh, q.device) if last_split_merges else out  # else unused
     else:
         part_max = part_sum = part_acc = split_counts = out  # unused
     strides = paged_strides(k_cache, v_cache, k_scale, block_tables)

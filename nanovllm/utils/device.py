@@ -30,6 +30,22 @@ def pdl_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("NANOVLLM_PDL", "1") != "0" and _pdl_capable(device)
 
 
+# Per (purpose, device), zeroed int32 counts for kernels whose last program to arrive finishes the work (an
+# atomic count per group of programs, which that program sets back to 0): the newest buffer serves every launch,
+# which the device's stream runs one after another. A launch needing more counts than it holds gets a new buffer;
+# the old ones stay alive for the CUDA graphs captured with them.
+_ARRIVAL_COUNTS: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
+
+
+def arrival_counts(purpose: str, n: int, device: torch.device) -> torch.Tensor:
+    """At least n zeroed int32 counts on `device` for the kernels of `purpose`, each of whose launches leaves
+    them zeroed."""
+    buffers = _ARRIVAL_COUNTS.setdefault((purpose, device), [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 @triton.jit
 def prefetch_to_l2(ptrs):
     """Start fetching the 128-byte lines holding ptrs into L2 (no register is written). With PDL a kernel
