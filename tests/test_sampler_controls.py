@@ -415,3 +415,21 @@ def test_sampler_graphs_apply_to_batches_with_controls_within_the_buckets():
     assert graphs.applies(seqs(temperature, top_k))
     assert graphs.applies(seqs(top_k, top_k, top_k, top_k))
     assert not graphs.applies(seqs(top_k, top_k, top_k, top_k, top_k))  # more rows than the largest bucket
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_tokens_go_into_out_when_given(impl):
+    """Sampler(..., out=) writes the tokens it would return into out (the decode head graphs' token buffer), on the
+    temperature-only path and the general one."""
+    device = KERNEL_DEVICE if impl == "triton" else CPU
+    sampler = Sampler(use_triton=impl == "triton")
+    logits = torch.randn(3, 70, generator=torch.Generator().manual_seed(7)).to(device)
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(top_k=3, seed=4)]
+    for controls in (params[:2], params):
+        meta = metadata(rows(controls), 70, device)
+        torch.manual_seed(1)  # the torch reference draws its noise from torch's generator
+        want = sampler(logits[:len(controls)].clone(), meta).token_ids
+        out = torch.full((len(controls),), -1, dtype=torch.int64, device=device)
+        torch.manual_seed(1)
+        got = sampler(logits[:len(controls)].clone(), meta, out=out).token_ids
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)

@@ -74,7 +74,7 @@ class DecodeGraphs:
     def _capture_all(self, runner):
         # Largest first, so smaller graphs fit in the memory pool the largest one reserved.
         for bs in reversed(self.buckets):
-            # padding rows only
+            # Padding rows only, their block tables as wide as a step's will be
             rows = to_device_packed(runner.inputs.decode_rows([], bs, self.max_blocks_per_seq), self.to_device)
             meta = AttentionMetadata(is_prefill=False, slot_mapping=rows["slot_mapping"],
                                      context_lens=rows["context_lens"], block_tables=rows["block_tables"],
