@@ -88,12 +88,12 @@ class StepInputs:
             meta.dequant_groups = workspace_groups(cu_q, cu_k, self.dequant_workspace.shape[1])
         return device["input_ids"], device["positions"], meta, device["sample_rows"]
 
-    def decode_rows(self, seqs: list[Sequence], rows: int, table_width: int) -> dict[str, np.ndarray]:
+    def decode_rows(self, seqs: list[Sequence], rows: int, table_width: int | None = None) -> dict[str, np.ndarray]:
         """A decode step's per-row inputs: one token per sequence, its last at position len - 1, then padding
         up to `rows` rows (a CUDA graph's batch size), which hold token 0 at position 0, write no cache slot
         and read no key, and keep their place in the decode order; with decode_temperatures, each row's
         temperature (the padding rows greedy) and the step's noise seed; last, the block tables [rows,
-        table_width] (a CUDA graph's: its widest, so that they land where it reads them)."""
+        table_width] (a CUDA graph's: its widest, so that they land where it reads them; None: the longest's)."""
         def padded(values: np.ndarray, fill: int) -> np.ndarray:
             if len(values) == rows:
                 return values
@@ -125,7 +125,7 @@ class StepInputs:
         if graphs is not None:
             host = self.decode_rows(seqs, graphs.bucket(len(seqs)), graphs.max_blocks_per_seq)
         else:
-            host = self.decode_rows(seqs, len(seqs), max(len(seq.block_table) for seq in seqs))
+            host = self.decode_rows(seqs, len(seqs))
         inflight = np.flatnonzero(host["input_ids"] == PLACEHOLDER)
         rows = self._rows_in_last_tokens([seqs[i] for i in inflight])  # in last_tokens
         # Steady decode: every token in flight and the rows in the previous step's order, so one copy of the

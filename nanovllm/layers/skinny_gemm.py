@@ -36,6 +36,7 @@ trip (x), not one a tile.
 """
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -71,6 +72,7 @@ class LaunchConfig:
     num_stages: int
 
 
+@functools.cache  # a pure function of its arguments, asked for at every eager call (twice by skinny_swiglu's defer)
 def launch_config(N: int, K: int, sms: int, pdl: bool = False, rows: int = 1) -> LaunchConfig:
     """Default tiles for x [M, K] @ weight [N, K].T: 64 x 128 weight tiles (16 KiB in 16 bits), and
     K split (by powers of two, at most 8, each split keeping >= 2 K tiles) until there are about
