@@ -77,8 +77,9 @@ SWEEP_BEST = dict(qkv=dict(split_k=1), gate_up=dict(block_k=64, split_k=1))
 # Variants of the chain: the skinny GEMM's per-projection launch overrides (None: cuBLAS), whether the
 # Triton kernels use programmatic dependent launch (NANOVLLM_PDL), and whether every layer has the same
 # weights ("weights in L2": 31.5 MB, which stay in the H200's 50 MB L2 from the second layer on; the
-# bound on what prefetching the weights into L2 could gain, for the skinny GEMM or cuBLAS). Above
-# SKINNY_MAX_ROWS rows only the cuBLAS variants run.
+# bound on what prefetching the weights into L2 could gain, for the skinny GEMM or cuBLAS); cuBLAS through
+# cuBLASLt (torch's preferred_blas_library) or from weights stored transposed, [K, N]. Above SKINNY_MAX_ROWS
+# rows only the cuBLAS variants run.
 CHAIN_VARIANTS = {
     "default": dict(linear={}, pdl=True),
     "no PDL": dict(linear={}, pdl=False),
@@ -86,7 +87,23 @@ CHAIN_VARIANTS = {
     "sweep best": dict(linear=SWEEP_BEST, pdl=True),
     "weights in L2": dict(linear={}, pdl=True, one_layer=True),
     "cuBLAS in L2": dict(linear=None, pdl=True, one_layer=True),
+    "cuBLASLt": dict(linear=None, pdl=True, blas="cublaslt"),
+    "cuBLAS W^T": dict(linear="transposed", pdl=True),
 }
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None):
+    """torch's preferred BLAS library (cublas or cublaslt) for the block, if name is given."""
+    if name is None:
+        yield
+        return
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 @contextlib.contextmanager
@@ -119,13 +136,18 @@ def decode_layers(M, layers, one_layer=False):
 def layer_chain(M, layers, overrides, one_layer=False):
     """A function running `layers` of Qwen3-0.6B's decode linears, attention aside: add + RMSNorm, qkv, o,
     add + RMSNorm, gate_up, SiLU-and-mul (one kernel in the engine: see mlp_chain), down; each projection
-    by the skinny GEMM with overrides[name] or, with overrides None, by cuBLAS (one_layer: decode_layers)."""
+    by the skinny GEMM with overrides[name] or, with overrides None, by cuBLAS; with overrides "transposed", by
+    cuBLAS from weights stored [K, N] (x @ weight_t; one_layer: decode_layers)."""
     weights, norm, x0 = decode_layers(M, layers, one_layer)
     attn_out = torch.randn(M, 2048, dtype=DTYPE, device=DEV)
+    transposed = {id(w): w.t().contiguous() for layer in weights for w in layer.values()} \
+        if overrides == "transposed" else {}
 
     def linear(name, x, weight):
         if overrides is None:
             return F.linear(x, weight)
+        if overrides == "transposed":
+            return x @ transposed[id(weight)]
         return sg.skinny_linear(x, weight, **overrides.get(name, {}))
 
     def run():
@@ -149,10 +171,10 @@ def run_chain(rows):
     for M in rows:
         times = []
         for variant in CHAIN_VARIANTS.values():
-            if variant["linear"] is not None and M > sg.SKINNY_MAX_ROWS:
+            if isinstance(variant["linear"], dict) and M > sg.SKINNY_MAX_ROWS:
                 times.append(None)  # the skinny GEMM takes at most SKINNY_MAX_ROWS rows
                 continue
-            with pdl_setting(variant["pdl"]):
+            with pdl_setting(variant["pdl"]), blas_library(variant.get("blas")):
                 chain = layer_chain(M, layers, variant["linear"], variant.get("one_layer", False))
                 times.append(bench(chain) * 1e3 / layers)
         emit(f"{M:>3} " + " ".join(f"{t:13.2f}" if t is not None else f"{'-':>13}" for t in times))
