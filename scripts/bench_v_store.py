@@ -23,8 +23,9 @@ Times are medians of CUDA-graph replays with L2 flushed (scripts/gpu_timing.py),
 
 H200, thirtieth session, 256 tokens: bytes/8h/1w 24.2 us, rmw32 20.5, pf+bytes 24.0 (prefetch alone 13.2), runs16
 6.9, panel16 and tokens 6.1-6.6. The cost follows the sectors a head's write touches, not whether they are
-written whole or already in L2. (In the engine, the runs16 layout made the decode kernel 1.5x slower, and the
-prefetch, before the q/k norm kernel's PDL wait, made that kernel slower: BENCHMARKS.md.)
+written whole or already in L2. (In the engine, the runs16 layout, loaded by the decode kernel as a 3-D tile whose
+shared buffer went unswizzled, made it 1.5x slower, and the prefetch, before the q/k norm kernel's PDL wait, made
+that kernel slower: BENCHMARKS.md.)
 """
 
 import torch
