@@ -6,6 +6,7 @@ which matrix instructions run, did anything spill" before any device time is spe
     python scripts/kernel_sass.py "decode fp8" --num-warps 4 --num-stages 2 [--sass FILE]
     python scripts/kernel_sass.py "decode fp8" --set BLOCK_N=64 --loops  # a constexpr changed; per-iteration counts
     python scripts/kernel_sass.py "decode fp8, from qkv" --maxnreg 128 --no-fp-fusion  # launched as the engine does
+    python scripts/kernel_sass.py "decode fp8" --shared       # its shared-memory buffers and their swizzles
 
 The configurations are those of tests/test_kernels_compile_for_gpu.py. Arguments get the
 specializations the runtime gives them: pointers and strides divisible by 16 (aligned tensors,
@@ -80,6 +81,8 @@ def main():
                         "decode kernel launches with triton_decode.FP8_MAX_REGISTERS)")
     parser.add_argument("--loops", action="store_true",
                         help="also histogram the instructions of each loop body (a backward branch's range)")
+    parser.add_argument("--shared", action="store_true",
+                        help="also list the kernel's shared-memory buffers and their layouts (swizzle), from its TTGIR")
     args = parser.parse_args()
     configs = configurations()
     if args.config not in configs:
@@ -102,11 +105,23 @@ def main():
           f"{sum(opcodes.values())} instructions (num_warps {args.num_warps}, num_stages {args.num_stages})")
     for opcode, count in opcodes.most_common(args.top):
         print(f"{count:6d}  {opcode}")
+    if args.shared:
+        for shape, layout in shared_buffers(compiled.asm["ttgir"]):
+            print(f"shared buffer {shape}: {layout}")
     if args.loops:
         for start, end, body in loop_bodies(sass):
             print(f"loop {start:#x}..{end:#x}: {len(body)} instructions an iteration")
             for opcode, count in collections.Counter(body).most_common(args.top):
                 print(f"{count:6d}  {opcode}")
+
+
+def shared_buffers(ttgir: str) -> list[tuple[str, str]]:
+    """(shape and dtype, layout) of each buffer the TTGIR allocates in shared memory. An MMA operand read from an
+    unswizzled buffer (vec = 1, maxPhase = 1) can conflict on the banks at every read: a V cache loaded as a 3-D
+    tile got one, and the fp8 decode kernel ran 1.5x slower (BENCHMARKS.md, thirtieth session)."""
+    layouts = dict(re.findall(r"^(#shared\d*) = (.*)$", ttgir, re.M))
+    buffers = re.findall(r"ttg\.local_alloc[^\n]*?!ttg\.memdesc<([0-9x]+[a-zA-Z0-9]+), (#shared\d*)", ttgir)
+    return [(shape, layouts.get(name, name)) for shape, name in buffers]
 
 
 def loop_bodies(sass: str) -> list[tuple[int, int, list[str]]]:
