@@ -60,12 +60,12 @@ def _store_kernel(v_ptr, slot_ptr, cache_ptr, HEADS: tl.constexpr, D: tl.constex
         tl.store(cache_ptr + rows + lane, tl.where(lane == offset % 32, new, old))
     elif LAYOUT == 2:
         tl.store(cache_ptr + (((block * KVH + heads) * (D // 16) + d // 16) * PAGE + offset) * 16 + d % 16, v)
-    elif LAYOUT == 5:
-        prefetch_to_l2(cache_ptr + ((block * KVH + heads) * D + d) * PAGE + offset)
     elif LAYOUT == 3:
         tl.store(cache_ptr + ((block * PAGE + offset) * KVH + heads) * D + d, v)
-    else:
+    elif LAYOUT == 4:
         tl.store(cache_ptr + (((block * KVH + heads) * (PAGE // 16) + offset // 16) * D + d) * 16 + offset % 16, v)
+    else:
+        prefetch_to_l2(cache_ptr + ((block * KVH + heads) * D + d) * PAGE + offset)
 
 
 VARIANTS = {  # name: (heads a program, warps, layout)
