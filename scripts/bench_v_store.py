@@ -68,9 +68,9 @@ def _store_kernel(v_ptr, slot_ptr, cache_ptr, HEADS: tl.constexpr, D: tl.constex
         prefetch_to_l2(cache_ptr + ((block * KVH + heads) * D + d) * PAGE + offset)
 
 
-VARIANTS = {  # name: (heads a program, warps, layout)
-    "bytes/8h/1w": (8, 1, 0), "bytes/1h/1w": (1, 1, 0), "bytes/8h/4w": (8, 4, 0), "rmw32/1h": (1, 1, 1),
-    "panel16/1h": (1, 1, 2), "tokens/1h": (1, 1, 3), "runs16/8h": (8, 1, 4), "prefetch/8h": (8, 1, 5),
+VARIANTS = {  # name: (heads a program, warps, the layouts of the kernels launched one after another)
+    "bytes/8h/1w": (8, 1, (0,)), "bytes/1h/1w": (1, 1, (0,)), "bytes/8h/4w": (8, 4, (0,)), "rmw32/1h": (1, 1, (1,)),
+    "panel16/1h": (1, 1, (2,)), "tokens/1h": (1, 1, (3,)), "runs16/8h": (8, 1, (4,)), "prefetch/8h": (8, 1, (5,)),
     "pf+bytes/8h": (8, 1, (5, 0)),
 }
 
@@ -87,11 +87,11 @@ def main():
         slots = blocks * PAGE + torch.randint(0, PAGE, (tokens,), device="cuda")
         v = torch.randn(tokens, KVH, D, dtype=torch.bfloat16, device="cuda")
         times = []
-        for heads, warps, layout in VARIANTS.values():
-            def store(heads=heads, warps=warps, layout=layout, tokens=tokens, v=v, slots=slots):
-                for kernel_layout in layout if isinstance(layout, tuple) else (layout,):
+        for heads, warps, layouts in VARIANTS.values():
+            def store(heads=heads, warps=warps, layouts=layouts, tokens=tokens, v=v, slots=slots):
+                for layout in layouts:
                     _store_kernel[(tokens, KVH // heads)](v, slots, cache, HEADS=heads, D=D, KVH=KVH, PAGE=PAGE,
-                                                          LAYOUT=kernel_layout, num_warps=warps)
+                                                          LAYOUT=layout, num_warps=warps)
             times.append(bench(store) * 1e3)
         emit(f"{tokens:>6} " + " ".join(f"{t:12.2f}" for t in times))
     save_report("bench_v_store.txt")
