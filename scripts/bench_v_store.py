@@ -14,18 +14,18 @@ V (bf16 in, fp8 out, a fixed scale) to random distinct blocks of a pool larger t
   rmw32/1h      each head's 128 sectors read whole, the token's byte replaced, written whole (32-byte writes)
   panel16/1h    a [blocks, kv_heads, head_dim / 16, block_size, 16] layout: a head is 8 writes of 16 bytes
   tokens/1h     a token-major layout, [blocks, block_size, kv_heads, head_dim]: a head is 128 contiguous bytes
-  runs16/8h     [blocks, kv_heads, block_size / 16, head_dim, 16] (runs of 16 tokens contiguous: 64 sectors a
-                head), a one-warp program per token and 8 heads
+  runsR/8h      [blocks, kv_heads, block_size / R, head_dim, R] (runs of R = 8, 16, 32, 64 tokens contiguous:
+                128 x R / 32 sectors a head, R >= 32: 128), a one-warp program per token and 8 heads
   prefetch/8h   no store: the lines bytes/8h writes, prefetched into L2 (prefetch.global.L2)
   pf+bytes/8h   prefetch/8h, then bytes/8h: what the store costs once its lines are in L2 (minus prefetch/8h)
 
 Times are medians of CUDA-graph replays with L2 flushed (scripts/gpu_timing.py), so every sector starts in DRAM.
 
 H200, thirtieth session, 256 tokens: bytes/8h/1w 24.2 us, rmw32 20.5, pf+bytes 24.0 (prefetch alone 13.2), runs16
-6.9, panel16 and tokens 6.1-6.6. The cost follows the sectors a head's write touches, not whether they are
-written whole or already in L2. (In the engine, the runs16 layout, loaded by the decode kernel as a 3-D tile whose
-shared buffer went unswizzled, made it 1.5x slower, and the prefetch, before the q/k norm kernel's PDL wait, made
-that kernel slower: BENCHMARKS.md.)
+6.9, panel16 and tokens 6.1-6.6; thirty-first: runs8 6.3, runs16 6.8, runs32 8.4, runs64 12.8, bytes 23.9. Above a
+~6 us floor the cost follows the lines a head's write touches, not whether they are written whole or already in L2.
+(In the engine, runs of 16 made the decode kernel 1.2-1.5x slower, and runs of 32 4-5% slower at batch 256, which
+ate the store's saving; the prefetch, before the q/k norm kernel's PDL wait, made that kernel slower: BENCHMARKS.md.)
 """
 
 import torch
@@ -41,9 +41,9 @@ POOL_BLOCKS = 4096  # 4,096 blocks x 8 heads x 128 x 256 bytes = 1 GiB per cache
 
 @triton.jit
 def _store_kernel(v_ptr, slot_ptr, cache_ptr, HEADS: tl.constexpr, D: tl.constexpr, KVH: tl.constexpr,
-                  PAGE: tl.constexpr, LAYOUT: tl.constexpr):
-    """LAYOUT 0: bytes (dim-major); 1: rmw32 (dim-major, whole sectors); 2: panel16; 3: token-major; 4: runs16;
-    5: no store, bytes' lines prefetched into L2."""
+                  PAGE: tl.constexpr, LAYOUT: tl.constexpr, RUN: tl.constexpr):
+    """LAYOUT 0: bytes (dim-major); 1: rmw32 (dim-major, whole sectors); 2: panel16; 3: token-major; 4: runs of RUN
+    tokens; 5: no store, bytes' lines prefetched into L2."""
     token = tl.program_id(0)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     d = tl.arange(0, D)[None, :]  # [1, D]
@@ -63,15 +63,16 @@ def _store_kernel(v_ptr, slot_ptr, cache_ptr, HEADS: tl.constexpr, D: tl.constex
     elif LAYOUT == 3:
         tl.store(cache_ptr + ((block * PAGE + offset) * KVH + heads) * D + d, v)
     elif LAYOUT == 4:
-        tl.store(cache_ptr + (((block * KVH + heads) * (PAGE // 16) + offset // 16) * D + d) * 16 + offset % 16, v)
+        tl.store(cache_ptr + (((block * KVH + heads) * (PAGE // RUN) + offset // RUN) * D + d) * RUN + offset % RUN, v)
     else:
         prefetch_to_l2(cache_ptr + ((block * KVH + heads) * D + d) * PAGE + offset)
 
 
-VARIANTS = {  # name: (heads a program, warps, the layouts of the kernels launched one after another)
-    "bytes/8h/1w": (8, 1, (0,)), "bytes/1h/1w": (1, 1, (0,)), "bytes/8h/4w": (8, 4, (0,)), "rmw32/1h": (1, 1, (1,)),
-    "panel16/1h": (1, 1, (2,)), "tokens/1h": (1, 1, (3,)), "runs16/8h": (8, 1, (4,)), "prefetch/8h": (8, 1, (5,)),
-    "pf+bytes/8h": (8, 1, (5, 0)),
+VARIANTS = {  # name: (heads a program, warps, the layouts of the kernels launched one after another, RUN)
+    "bytes/8h/1w": (8, 1, (0,), 0), "bytes/1h/1w": (1, 1, (0,), 0), "bytes/8h/4w": (8, 4, (0,), 0),
+    "rmw32/1h": (1, 1, (1,), 0), "panel16/1h": (1, 1, (2,), 0), "tokens/1h": (1, 1, (3,), 0),
+    "runs8/8h": (8, 1, (4,), 8), "runs16/8h": (8, 1, (4,), 16), "runs32/8h": (8, 1, (4,), 32),
+    "runs64/8h": (8, 1, (4,), 64), "prefetch/8h": (8, 1, (5,), 0), "pf+bytes/8h": (8, 1, (5, 0), 0),
 }
 
 
@@ -87,11 +88,11 @@ def main():
         slots = blocks * PAGE + torch.randint(0, PAGE, (tokens,), device="cuda")
         v = torch.randn(tokens, KVH, D, dtype=torch.bfloat16, device="cuda")
         times = []
-        for heads, warps, layouts in VARIANTS.values():
-            def store(heads=heads, warps=warps, layouts=layouts, tokens=tokens, v=v, slots=slots):
+        for heads, warps, layouts, run in VARIANTS.values():
+            def store(heads=heads, warps=warps, layouts=layouts, run=run, tokens=tokens, v=v, slots=slots):
                 for layout in layouts:
                     _store_kernel[(tokens, KVH // heads)](v, slots, cache, HEADS=heads, D=D, KVH=KVH, PAGE=PAGE,
-                                                          LAYOUT=layout, num_warps=warps)
+                                                          LAYOUT=layout, RUN=run, num_warps=warps)
             times.append(bench(store) * 1e3)
         emit(f"{tokens:>6} " + " ".join(f"{t:12.2f}" for t in times))
     save_report("bench_v_store.txt")
