@@ -54,10 +54,13 @@ SCALE = D ** -0.5
 DEV = "cuda"
 BATCHES = (1, 8, 32, 64, 128, 256)
 CONTEXTS = (128, 512, 1024, 2048, 4096)
-# (batch, shortest, longest context, longest first): contexts drawn uniformly, as in the engine's decode
-# steps (most end in a partial tile); the ctx column then shows their mean. Longest first: the batch
-# sorted, so the longest programs start first (does the last wave's imbalance cost?).
-RAGGED_DECODE = ((256, 100, 1124, False), (256, 100, 1124, True), (128, 100, 2148, False), (32, 100, 4096, False))
+# (batch, shortest, longest context, rows): contexts drawn uniformly, as in the engine's decode steps (most
+# end in a partial tile); the ctx column then shows their mean, after "~" if the rows are in random order,
+# ">" if sorted longest first (the longest programs start first: does the last wave's imbalance cost?), ">o"
+# if in random order but taken up longest first by the kernel's order argument, as the engine passes it.
+RAGGED_DECODE = ((256, 100, 1124, "random"), (256, 100, 1124, "sorted"), (256, 100, 1124, "by order"),
+                 (128, 100, 2148, "random"), (32, 100, 4096, "random"))
+ROWS_SHOWN = {"random": "~", "sorted": ">", "by order": ">o"}
 # (name, number of sequences, cached prefix tokens, new query tokens per sequence)
 PREFILL_SHAPES = (
     ("8x1024", 8, 0, 1024),
@@ -131,9 +134,10 @@ def decode_bytes(lens, token_bytes=2 * KVH * D * DTYPE.itemsize):
     return int(lens.sum()) * token_bytes + 2 * lens.numel() * H * D * DTYPE.itemsize
 
 
-def decode_row(cache, batch, ctx, copy_bw, longest=None, longest_first=False):
-    q, tables, lens = decode_inputs(cache, batch, ctx, longest, longest_first)
-    fn = lambda: triton_decode.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales)
+def decode_row(cache, batch, ctx, copy_bw, longest=None, rows="random"):
+    q, tables, lens = decode_inputs(cache, batch, ctx, longest, rows == "sorted")
+    order = lens.sort(descending=True, stable=True).indices.to(torch.int32) if rows == "by order" else None
+    fn = lambda: triton_decode.paged_decode_attention(q, *cache.kv, tables, lens, SCALE, **cache.scales, order=order)
     out = fn()
     err_ref = max((out[b].float() - reference(q[b:b + 1], cache, tables[b], int(lens[b]))[0]).abs().max().item()
                   for b in sorted({0, batch // 2, batch - 1}))
@@ -147,7 +151,7 @@ def decode_row(cache, batch, ctx, copy_bw, longest=None, longest_first=False):
         err_fa = f"{(out - fa().squeeze(1)).abs().max().item():8.1e}"
         t_fa = bench(fa)
         fa_cols = f"{t_fa * 1e3:8.1f} {decode_bytes(lens) / (t_fa * 1e-3) / 1e12:7.2f} {t / t_fa:6.2f}"
-    shown = ctx if longest is None else f"{'>' if longest_first else '~'}{lens.float().mean().item():.0f}"
+    shown = ctx if longest is None else f"{ROWS_SHOWN[rows]}{lens.float().mean().item():.0f}"
     emit(f"{batch:>4} {shown:>5} {splits:>6} {t * 1e3:9.1f} {bw / 1e12:5.2f} {100 * bw / copy_bw:5.1f} "
          f"{fa_cols} {err_ref:8.1e} {err_fa:>8}")
 
@@ -159,8 +163,8 @@ def run_decode(cache, copy_bw):
     for batch in BATCHES:
         for ctx in CONTEXTS:
             decode_row(cache, batch, ctx, copy_bw)
-    for batch, shortest, longest, longest_first in RAGGED_DECODE:
-        decode_row(cache, batch, shortest, copy_bw, longest, longest_first)
+    for batch, shortest, longest, rows in RAGGED_DECODE:
+        decode_row(cache, batch, shortest, copy_bw, longest, rows)
 
 
 def prefill_inputs(cache, n_seq, prefix, n_q):
