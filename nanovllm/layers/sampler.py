@@ -267,11 +267,11 @@ def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> 
     return torch.where(greedy, greedy_tokens, exponential_race(logits, generators))
 
 
-def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata, seed: torch.Tensor,
+def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata,
                                 out: torch.Tensor | None = None) -> torch.Tensor:
     """The general path with Triton kernels, in the same order: penalties (on a float32 copy), then the
     filters as one threshold per row (sampling_filters), then the one-pass race, which skips logits
-    under the threshold and keys each seeded row's noise on its own Philox key."""
+    under the threshold and keys each seeded row's noise on its own Philox key (the others' on meta.seed)."""
     if meta.penalties is not None:
         p = meta.penalties
         logits = apply_penalties(logits.to(torch.float32, copy=True), p.ids, p.prompt_lens, p.repetition,
@@ -280,7 +280,8 @@ def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata, se
     if meta.top_k is not None or meta.top_p is not None or meta.min_p is not None:
         thresholds = filter_thresholds(logits, meta.temperatures, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k,
                                        not meta.top_p_within_top_k)
-    return sample_triton(logits, meta.temperatures, seed, thresholds=thresholds, row_seeds=meta.row_seeds, out=out)
+    return sample_triton(logits, meta.temperatures, meta.seed, thresholds=thresholds, row_seeds=meta.row_seeds,
+                         out=out)
 
 
 class Sampler(nn.Module):
@@ -306,7 +307,7 @@ class Sampler(nn.Module):
             if meta.only_temperature:
                 tokens = sample_triton(logits, meta.temperatures, meta.seed, out=out)
             else:
-                tokens = sample_with_controls_triton(logits, meta, meta.seed, out=out)
+                tokens = sample_with_controls_triton(logits, meta, out=out)
         else:
             if meta.only_temperature:
                 tokens = sample_torch(logits, meta.temperatures)
