@@ -281,22 +281,25 @@ def profile_prefill(llm: LLM, steps: int = 3):
 
 
 def time_added(kernels: list[tuple[str, float, float]]) -> tuple[float, dict[str, float], dict[str, float],
-                                                                 dict[str, int]]:
+                                                                 dict[str, int], dict[str, int]]:
     """What each kernel (name, start, end) adds to the GPU's timeline: its end minus the latest end before
     it (0 if it ended earlier), summed by name, with the calls by name; the time in which the GPU ran
-    nothing (idle), summed by the name of the kernel that ends each gap; and the whole span. With PDL a
-    kernel's own time includes its wait for the one before, so the profiler's table overlaps; these sums do
-    not: with idle they add up to the span, so they say which kernels a step is waiting on."""
-    added, idle, calls, last_end = collections.Counter(), collections.Counter(), collections.Counter(), None
+    nothing (idle), summed by the name of the kernel that ends each gap, with the gaps (waits) by name; and
+    the whole span. With PDL a kernel's own time includes its wait for the one before, so the profiler's
+    table overlaps; these sums do not: with idle they add up to the span, so they say which kernels a step
+    is waiting on. Returns (span, idle, added, calls, waits)."""
+    added, idle, calls, waits = (collections.Counter() for _ in range(4))
+    last_end = None
     for name, start, end in sorted(kernels, key=lambda kernel: kernel[1]):
         last_end = start if last_end is None else last_end
         if start > last_end:
             idle[name] += start - last_end
+            waits[name] += 1
         added[name] += max(0.0, end - max(start, last_end))
         calls[name] += 1
         last_end = max(last_end, end)
     span = last_end - min(start for _, start, _ in kernels) if kernels else 0.0
-    return span, idle, added, calls
+    return span, idle, added, calls, waits
 
 
 def by_place_in_layer(kernels: list[tuple[str, float, float]], calls_a_layer: int) -> list[tuple[str, float, float]]:
@@ -323,14 +326,14 @@ def print_time_added(events, steps: int, top: int = 15, layers: int | None = Non
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
     if layers:
         kernels = by_place_in_layer(kernels, steps * layers)
-    span, idle, added, calls = time_added(kernels)
+    span, idle, added, calls, waits = time_added(kernels)
     print(f"time added per step (span {span / steps:.1f} us, idle {sum(idle.values()) / steps:.1f} us), by kernel:")
     for name, us in sorted(added.items(), key=lambda item: -item[1])[:top]:
         print(f"  {us / steps:8.1f} us  {calls[name] / steps:5.1f} calls  {name[:100]}")
     print("idle per step, by the kernel that ends the wait (the profiler slows the host, so a wait before a step's "
           "first kernel may be the profiler's):")
     for name, us in sorted(idle.items(), key=lambda item: -item[1])[:8]:
-        print(f"  {us / steps:8.1f} us  {calls[name] / steps:5.1f} calls  {name[:100]}")
+        print(f"  {us / steps:8.1f} us  {waits[name] / steps:5.1f} waits  {name[:100]}")
 
 
 def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: int = 256, context: int = 1024,

@@ -12,15 +12,16 @@ from nanovllm.engine.scheduler import Scheduler
 def test_time_added_counts_overlapped_kernels_once():
     # a: 0-10; b launched early (PDL) at 2, ends 14: adds 4; c inside b: adds 0; idle 14-20; d: 20-25
     kernels = [("b", 2.0, 14.0), ("a", 0.0, 10.0), ("c", 5.0, 12.0), ("d", 20.0, 25.0), ("a", 30.0, 31.0)]
-    span, idle, added, calls = time_added(kernels)
+    span, idle, added, calls, waits = time_added(kernels)
     assert span == 31.0 and idle == {"d": 6.0, "a": 5.0}  # the gaps before d (14-20) and the second a (25-30)
     assert added == {"a": 11.0, "b": 4.0, "c": 0.0, "d": 5.0}
     assert calls == {"a": 2, "b": 1, "c": 1, "d": 1}
+    assert waits == {"d": 1, "a": 1}  # a ran twice and ended one gap
     assert sum(added.values()) + sum(idle.values()) == span
 
 
 def test_time_added_of_nothing():
-    assert time_added([]) == (0.0, {}, {}, {})
+    assert time_added([]) == (0.0, {}, {}, {}, {})
 
 
 def test_kernels_run_several_times_a_layer_are_named_by_their_place():
