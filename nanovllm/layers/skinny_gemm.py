@@ -1,10 +1,10 @@
 """Skinny GEMM: y = x @ weight.T + bias for a few rows of x (decode), in Triton.
 
-With at most 16 rows the product is bound by reading the weight once, so the kernel is laid out for
-weight bandwidth: each program streams a [BLOCK_N, K] slice of the weight in [BLOCK_N, BLOCK_K] tiles
-and multiplies each tile with all rows of x (padded to 16, the smallest tl.dot width). The weight is
-the dot's left operand (y.T = weight @ x.T): its BLOCK_N rows fill the MMA's M side (64 per Hopper
-wgmma) and the 16 padded rows of x the narrow N side, instead of 48 of 64 MMA rows being padding.
+With at most SKINNY_MAX_ROWS rows the product is bound by reading the weight once, so the kernel is laid out
+for weight bandwidth: each program streams a [BLOCK_N, K] slice of the weight in [BLOCK_N, BLOCK_K] tiles
+and multiplies each tile with all rows of x (padded to 16, the smallest tl.dot width, or to 32). The weight
+is the dot's left operand (y.T = weight @ x.T): its BLOCK_N rows fill the MMA's M side (64 per Hopper
+wgmma) and the padded rows of x the narrow N side, instead of 48 of 64 MMA rows being padding.
 When N / BLOCK_N gives too few programs to keep every SM streaming, K is split across SPLIT_K
 programs too; they write float32 partials that a second small kernel sums (deterministic, unlike
 atomics). Nothing depends on tensor values, so the launch is CUDA-graph safe.
@@ -45,7 +45,10 @@ import triton.language as tl
 from nanovllm.layers.split_softmax import SplitSoftmax, load_merged_tile
 from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
 
-SKINNY_MAX_ROWS = 16
+# Up to this many rows the decode linears are skinny GEMMs (and attention.decodes_from_qkv), above it cuBLAS's.
+# H200, 32 streams of fp8 decode: 678-679 tok/s per stream at 32, 541-542 at 16 (BENCHMARKS.md, thirty-third
+# session); at 64 rows the skinny GEMM, then tiled over M, was slower than cuBLAS (seventeenth).
+SKINNY_MAX_ROWS = 32
 # With PDL, lines of 64 16-bit weights (128 bytes) each weight row of a program prefetches into L2 before
 # waiting for the kernel before: 16 lines of 64 rows are 128 KiB per program, 8 prefetches per thread.
 PREFETCH_MAX_LINES = 16
@@ -456,7 +459,8 @@ def _launch(x, weight, bias, out, N: int, config: LaunchConfig, k_per_split: int
         x_data, stride_xm, x_max, x_sum, x_splits = x, x.stride(0), x, x, 0
     _skinny_kernel[(triton.cdiv(N, config.block_n), splits)](
         x_data, weight, bias if bias is not None else weight, out, M, N, K, stride_xm, N, k_per_split, x_max, x_sum,
-        heads, split_stride, HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0, BLOCK_M=SKINNY_MAX_ROWS,
+        heads, split_stride, HAS_BIAS=bias is not None, EVEN_K=K % config.block_k == 0,
+        BLOCK_M=max(16, triton.next_power_of_2(M)),  # x's rows, padded to an MMA's N side
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=splits,
         PDL=pdl, PREFETCH_LINES=min(PREFETCH_MAX_LINES, triton.next_power_of_2(triton.cdiv(k_per_split, 64))),
         GATED=gated, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
