@@ -1,5 +1,6 @@
 """End-to-end checks on an NVIDIA GPU (skipped without CUDA): bf16, flash-attn / Triton, CUDA graphs."""
 
+import random
 import subprocess
 import sys
 
@@ -66,6 +67,38 @@ def test_decode_from_qkv_equals_flash_attn(tiny_bf16_split_k, prompts, monkeypat
     assert calls, "the Triton decode did not take decode_from_qkv"
     assert eager == _generate(tiny_bf16_split_k, prompts, attention_backend="flash_attn")
     assert _generate(tiny_bf16_split_k, prompts, attention_backend="triton", max_num_seqs=20) == eager
+
+
+def test_decode_of_17_to_32_rows_equals_flash_attn_after_cublas(tiny_bf16, monkeypatch):
+    """28 requests decode in steps of up to 28 rows, which the skinny GEMMs and decode_from_qkv take since
+    SKINNY_MAX_ROWS is 32 (BLOCK_M 32): eager and from CUDA graphs (bucket 32), they generate what flash-attn after
+    cuBLAS's projections and the q/k norm + RoPE kernel does. max_model_len 256 (one block), so that the graphs'
+    decode kernel, which splits keys by max_model_len, takes one split as eager steps do (two splits sum the
+    same keys in another order). tiny_bf16's qkv is not split over K: at hidden_size 512 the skinny GEMMs' split-K
+    sums, in another order than cuBLAS's, turned one greedy token of the 28 x 16 (H200, thirty-fourth session)."""
+    pytest.importorskip("flash_attn")
+    import nanovllm.layers.linear as linear_module
+
+    def generate(**options):
+        with LLM(tiny_bf16, max_model_len=256, **options) as llm:
+            return [o["token_ids"] for o in llm.generate(many, GREEDY, use_tqdm=False)]
+
+    rng = random.Random(1)
+    many = [[rng.randrange(256) for _ in range(rng.randrange(1, 80))] for _ in range(28)]
+    skinny_applies = linear_module.skinny_applies
+    monkeypatch.setattr(linear_module, "skinny_applies", lambda x: skinny_applies(x) and x.shape[0] <= 16)
+    reference = generate(enforce_eager=True, attention_backend="flash_attn")
+    monkeypatch.undo()
+    gemm_rows, attention_rows = [], []
+    skinny_linear, decode_from_qkv = linear_module.skinny_linear, Attention.decode_from_qkv
+    monkeypatch.setattr(linear_module, "skinny_linear", lambda x, *args, **kwargs: gemm_rows.append(x.shape[0])
+                        or skinny_linear(x, *args, **kwargs))
+    monkeypatch.setattr(Attention, "decode_from_qkv", lambda self, inputs, meta: attention_rows.append(
+        meta.context_lens.numel()) or decode_from_qkv(self, inputs, meta))
+    assert generate(enforce_eager=True, attention_backend="triton") == reference
+    assert 28 in gemm_rows and 28 in attention_rows, (sorted(set(gemm_rows)), sorted(set(attention_rows)))
+    monkeypatch.undo()
+    assert generate(attention_backend="triton", max_num_seqs=32) == reference
 
 
 def test_bf16_logits_and_first_tokens_agree_with_transformers(tiny_bf16, prompts):
