@@ -47,7 +47,9 @@ from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
 
 # Up to this many rows the decode linears are skinny GEMMs (and attention.decodes_from_qkv), above it cuBLAS's.
 # H200, 32 streams of fp8 decode: 678-679 tok/s per stream at 32, 541-542 at 16 (BENCHMARKS.md, thirty-third
-# session); at 64 rows the skinny GEMM, then tiled over M, was slower than cuBLAS (seventeenth).
+# session); at 64 rows the skinny GEMM, then tiled over M, was slower than cuBLAS (seventeenth), and the whole skinny
+# path at 64 rows matched it (64 streams 409 against 406; 32-wide weight tiles above 16 rows lost 7% at 32 rows and
+# 4% at 64: thirty-fourth).
 SKINNY_MAX_ROWS = 32
 # With PDL, lines of 64 16-bit weights (128 bytes) each weight row of a program prefetches into L2 before
 # waiting for the kernel before: 16 lines of 64 rows are 128 KiB per program, 8 prefetches per thread.
