@@ -35,8 +35,8 @@ def tiny_bf16_split_k(tmp_path_factory) -> str:
     return path
 
 
-def _generate(path, prompts, **options):
-    with LLM(path, max_model_len=1024, **options) as llm:
+def _generate(path, prompts, max_model_len=1024, **options):
+    with LLM(path, max_model_len=max_model_len, **options) as llm:
         return [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
@@ -80,8 +80,7 @@ def test_decode_of_17_to_32_rows_equals_flash_attn_after_cublas(tiny_bf16, monke
     import nanovllm.layers.linear as linear_module
 
     def generate(**options):
-        with LLM(tiny_bf16, max_model_len=256, **options) as llm:
-            return [o["token_ids"] for o in llm.generate(many, GREEDY, use_tqdm=False)]
+        return _generate(tiny_bf16, many, max_model_len=256, **options)
 
     rng = random.Random(1)
     many = [[rng.randrange(256) for _ in range(rng.randrange(1, 80))] for _ in range(28)]
