@@ -95,11 +95,17 @@ def _decode_kernel(
     MERGE_HEADS: tl.constexpr, FROM_QKV: tl.constexpr, QKV_SPLITS: tl.constexpr, HAS_NORM: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
 ):
-    """Grid (KVH, B, NUM_SPLITS): the G query heads of kv head program_id(0) over one split of the context,
-    of sequence order[program_id(1)] if ORDERED, else program_id(1). The kv head varies fastest, so the
-    GPU takes up a sequence's kv heads together and reads each block's K and V (a token's K heads are
-    contiguous) within a short time, not in eight passes over the batch: 2-6% faster than a (B, KVH)
-    grid from batch 128, likely by DRAM locality (H200, BENCHMARKS.md, twelfth session, call 5).
+    """Grid (NUM_SPLITS, KVH, B): the G query heads of kv head program_id(1) over split program_id(0) of the
+    context, of sequence order[program_id(2)] if ORDERED, else program_id(2).
+
+    The split varies fastest. A split takes whole tiles, so a context's last splits are the empty ones
+    (1,511 keys in 8 splits of 2 tiles: splits 6 and 7), and the GPU puts programs of nearby indices on an
+    SM together. With the split slowest, 88 of 132 SMs got four 2-tile programs and 21 only empty ones;
+    with it fastest an SM's programs mix splits, and 8 streams decode 2% faster (H200, BENCHMARKS.md,
+    thirty-fifth session, scripts/decode_timeline.py). After it the kv head varies fastest, so the GPU takes
+    up a sequence's kv heads together and reads each block's K and V (a token's K heads are contiguous)
+    within a short time, not in eight passes over the batch: 2-6% faster than a (B, KVH) grid from batch
+    128, likely by DRAM locality (twelfth session, call 5). At one split (from batch ~33) that is the order.
 
     With PDL the kernel is launched while the q/k norm + RoPE kernel before it still runs and stores this
     step's K/V. Until gdc_wait it reads only what the host wrote before the step (context lengths, order,
@@ -117,11 +123,11 @@ def _decode_kernel(
     a SplitSoftmax of them is merged later (by its merge kernel, or as o_proj's skinny GEMM loads it)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
     if ORDERED:
         seq = tl.load(order_ptr + seq)
-    split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
     start = split * per_split
@@ -183,21 +189,21 @@ def _decode_kernel(
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_mask)
     else:  # partials: m, l [B, H, NUM_SPLITS], acc [B, H, NUM_SPLITS, D], float32, contiguous
-        first_row = (seq * tl.num_programs(0) * G + heads) * NUM_SPLITS  # [G_PAD], split 0's rows
+        first_row = (seq * NUM_KV_HEADS * G + heads) * NUM_SPLITS  # [G_PAD], split 0's rows
         tl.store(m_ptr + first_row + split, m_i, mask=g < G)
         tl.store(l_ptr + first_row + split, l_i, mask=g < G)
         tl.store(acc_ptr + (first_row + split)[:, None] * D + d[None, :], acc, mask=head_mask)
         if LAST_SPLIT_MERGES:
             # Every thread's stores come before the count (one thread's atomic, releasing them at GPU scope).
             tl.debug_barrier()
-            count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
+            count_ptr = split_counts_ptr + seq * NUM_KV_HEADS + kv_head
             if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
                 # MERGE_HEADS heads at a time, so that their loads are in flight together; the other programs'
                 # partials are loaded from L2 (.cg), past this SM's L1
                 for first in tl.range(kv_head * G, kv_head * G + G, MERGE_HEADS, num_stages=1):  # no smem buffers
                     merged_heads = first + tl.arange(0, MERGE_HEADS)
                     merged = merge_splits(acc_ptr, m_ptr, l_ptr,
-                                          (seq * tl.num_programs(0) * G + merged_heads) * NUM_SPLITS,
+                                          (seq * NUM_KV_HEADS * G + merged_heads) * NUM_SPLITS,
                                           merged_heads < first + MERGE_HEADS,  # all True: MERGE_HEADS divides G
                                           D, NUM_SPLITS, True)
                     tl.store(out_ptr + seq * stride_ob + merged_heads[:, None] * stride_oh + d[None, :],
@@ -314,7 +320,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     strides = paged_strides(k_cache, v_cache, k_scale, block_tables)
     pdl = pdl_enabled(q.device)
     qkv_args, qkv_splits, has_norm = _from_qkv_args(from_qkv, out)
-    _decode_kernel[(kvh, B, num_splits)](
+    _decode_kernel[(num_splits, kvh, B)](
         q, k_cache, v_cache, *scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens,
         context_lens if order is None else order, out, part_acc, part_max, part_sum, split_counts, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, *qkv_args,
