@@ -20,9 +20,9 @@ end, and how many programs are busy in each slice of it. Saved to $OUT/decode_ti
 $OUT/decode_timeline_b<batch>.npy.
 
 H200, thirty-fifth session (BENCHMARKS.md): at 8 streams a program with 2 tiles took ~8 µs from the wait to
-its end alone on an SM and ~12 µs with three others; with the grid's split index slowest, 88 of 132 SMs got four
-such programs and 21 only empty splits, which made the grid's split index fastest. At batch 256 every SM stays
-busy to the last ~5 µs of the ~97: no tail to take.
+its end alone on an SM and ~12 µs with three others. With the grid's split index slowest, 88 of 132 SMs got
+four such programs and 21 only empty splits, so the engine's grid now has the split index fastest. At batch
+256 every SM stays busy to the last ~5 µs of the ~97: no tail to take.
 """
 
 import argparse
