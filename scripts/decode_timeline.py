@@ -50,6 +50,7 @@ TIMER_HELPERS = '''
 
 @triton.jit
 def _timer():
+    """The GPU's global timer, ns."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
@@ -134,6 +135,7 @@ class TimedKernel:
     def __getitem__(self, grid):
         if grid[0] * grid[1] * grid[2] > self.MAX_PROGRAMS:
             raise ValueError(f"grid {grid} has more than {self.MAX_PROGRAMS} programs")
+
         def launch(*args, **kwargs):
             self.grids[args[6].shape[0]] = grid  # by batch size: context_lens [B] is the kernel's 7th argument
             return self.kernel[grid](*args, timeline_ptr=self.timeline, **kwargs)
