@@ -15,7 +15,7 @@ FILTER="Writing|Loading|it/s\]|Warning|_warn_once|recompile|W1130|_dynamo"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, flash_attn; print('torch', torch.__version__, 'triton', triton.__version__, 'flash_attn', flash_attn.__version__)" | tee -a "$OUT/gpu.txt"
 # The default set in two runs, each within the default timeout (the whole set took over 300 s on the H200).
-IFS=';' read -ra tests <<< "${TESTS-tests/test_cuda.py tests/test_attention.py tests/test_triton_attention.py tests/test_sampler.py tests/test_sampler_controls.py;tests/test_kv_cache_fp8.py tests/test_skinny_gemm.py tests/test_qk_norm_rope.py tests/test_norm_activation_kernels.py tests/test_kernels_compile_for_gpu.py tests/test_host_to_device.py tests/test_bench.py}"
+IFS=';' read -ra tests <<< "${TESTS-tests/test_cuda.py tests/test_attention.py tests/test_triton_attention.py tests/test_sampler.py tests/test_sampler_controls.py;tests/test_kv_cache_fp8.py tests/test_skinny_gemm.py tests/test_tiled_gemm.py tests/test_qk_norm_rope.py tests/test_norm_activation_kernels.py tests/test_kernels_compile_for_gpu.py tests/test_host_to_device.py tests/test_bench.py}"
 for args in "${tests[@]}"; do
   echo "== pytest $args" | tee -a "$OUT/gpu_tests.txt"
   timeout "${TEST_TIMEOUT:-$STEP_TIMEOUT}" python3 -m pytest -q -rs $args 2>&1 | grep -vE "$FILTER" | tee -a "$OUT/gpu_tests.txt"

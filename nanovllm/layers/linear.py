@@ -5,8 +5,10 @@ features and all-reduce the partial sums. Each parameter has a `weight_loader` t
 rank's slice of a checkpoint tensor.
 
 On CUDA, a few 16-bit rows (decode) go through the skinny GEMM, which reads the weight faster than
-cuBLAS does at that size; everything else through F.linear. `forward(x, defer_sum=True)` lets the skinny
-GEMM leave its split-K partials to the next kernel (a SplitKSum) where no all-reduce needs the sum. x may be
+cuBLAS does at that size; on Hopper with PDL, up to TILED_MAX_ROWS rows through the tiled GEMM, which overlaps
+its launch and first weight reads with the kernel before; everything else through F.linear.
+`forward(x, defer_sum=True)` lets either GEMM leave its split-K partials to the next kernel (a SplitKSum) where
+no all-reduce needs the sum. x may be
 decode attention's partials not yet merged (a SplitSoftmax), which the skinny GEMM merges as it loads them, or
 a gate/up projection's partials not yet summed and activated (a SwiGLUSplitKSum), likewise.
 """
@@ -18,6 +20,7 @@ from torch import nn
 
 from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum, SwiGLUSplitKSum, skinny_linear
 from nanovllm.layers.split_softmax import SplitSoftmax
+from nanovllm.layers.tiled_gemm import tiled_applies, tiled_linear
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -33,10 +36,12 @@ def skinny_applies(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor | SplitSoftmax | SwiGLUSplitKSum, weight: torch.Tensor, bias: torch.Tensor | None = None,
            defer_sum: bool = False) -> torch.Tensor | SplitKSum:
     """F.linear(x, weight, bias), by the skinny GEMM where it applies (to a SplitSoftmax or SwiGLUSplitKSum, always:
-    they are made only for it); with defer_sum that may return a SplitKSum (skinny_linear), for a caller whose
-    next kernel takes one."""
+    they are made only for it), else by the tiled GEMM where it does; with defer_sum that may return a SplitKSum,
+    for a caller whose next kernel takes one."""
     if isinstance(x, (SplitSoftmax, SwiGLUSplitKSum)) or skinny_applies(x):
         return skinny_linear(x, weight, bias, defer_sum=defer_sum)
+    if tiled_applies(x, weight):
+        return tiled_linear(x, weight, bias, defer_sum=defer_sum)
     return F.linear(x, weight, bias)
 
 
