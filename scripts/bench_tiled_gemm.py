@@ -1,78 +1,71 @@
-"""Can a tiled Triton GEMM beat cuBLAS on Qwen3-0.6B's projections at 64-256 rows (decode of large batches)?
+"""The tiled GEMM (nanovllm/layers/tiled_gemm.py) against cuBLAS on Qwen3-0.6B's projections at 64-256 rows, in
+the chain of kernels a decode layer runs; and whether its tile_config picks the tiles a search would.
 
-    python scripts/bench_tiled_gemm.py                    # M = 64, 128, 256 (~30 s on an H200)
+    python scripts/bench_tiled_gemm.py                    # M = 64, 128, 256 (~2 min on an H200)
     python scripts/bench_tiled_gemm.py --rows 128,256
 
-At 256 rows the four projections take ~28 us a layer under cuBLAS against ~12 for their FLOPs and weight bytes
-(BENCHMARKS.md, thirtieth session), each GEMM under one wave of its tiles. This times, for each projection and M,
-cuBLAS (F.linear) and a plain tiled kernel (x [M, K] @ weight [N, K]^T, float32 accumulation, tiles of BLOCK_M x
-BLOCK_N, K optionally split with the skinny GEMM's reduce kernel summing the partials) over a grid of tiles, then
-28 layers of the four projections in one CUDA graph with each projection's best tile against cuBLAS. The engine's
-skinny GEMM (skinny_gemm.py) lays its tiles out for few rows; this kernel is the textbook layout, kept here until it
-wins. Times: medians of replays of a CUDA graph, L2 flushed between (scripts/gpu_timing.py). Report under $OUT.
+Above SKINNY_MAX_ROWS, cuBLAS is not launched with programmatic dependent launch (PDL): it starts only once the norm
+before it has ended, and the kernel after it only once it has; the tiled GEMM is. Each projection's tiles are first
+ranked alone (one GEMM, L2 flushed), then the chain is timed: 28 layers of the engine's kernels, input norm -> qkv ->
+q/k norm + RoPE -> o -> post-attention norm -> gate_up -> SiLU -> down (attention left out: o's x is fixed), with
+cuBLAS (F.linear), with tile_config's tiles, and with the tiles of a coordinate descent from each projection's
+fastest alone over its TRIED_IN_CHAIN fastest; then cuBLAS and tile_config's tiles with PDL off for every kernel.
+Times: medians of replays of a CUDA graph (scripts/gpu_timing.py). Report under $OUT.
 """
 
 import argparse
 import itertools
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 from bench_gemm import SHAPES  # scripts/bench_gemm.py
 from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.layers import skinny_gemm as sg
+from nanovllm.layers.activation import silu_and_mul_triton
+from nanovllm.layers.layernorm import rms_norm_triton
+from nanovllm.layers.qk_norm_rope import qk_norm_rope
+from nanovllm.layers.skinny_gemm import summed
+from nanovllm.layers.tiled_gemm import STAGES_SMEM_BYTES, TileConfig, tile_config, tiled_linear
 
 DTYPE = torch.bfloat16
 PROJECTIONS = {layer: (N, K) for model, layer, N, K in SHAPES if model == "0.6B"}
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); 8 warps from 128 x 128 tiles, else 4; 3 stages at BLOCK_K 128, else 4.
-TILES = list(itertools.product((64, 128), (64, 128), (64, 128), (1, 2, 4)))
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); 8 warps for 128 x 128 tiles, else 4; stages as tile_config sets them.
+TILES = list(itertools.product((64, 128), (64, 128, 256), (64, 128), (1, 2, 4)))
+# Only these projections' outputs may be split-K partials: the kernels after them (q/k norm + RoPE, the norms) sum
+# them as they load; SiLU after gate_up takes a tensor.
+SPLITTABLE = ("qkv", "o", "down")
+TRIED_IN_CHAIN = 3  # a projection's fastest tiles alone that the chain tries
 
 
-@triton.jit
-def _tiled_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, k_per_split, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). The programs of one weight tile are consecutive, so
-    its other row tiles read it from L2. SPLIT_K 1: out is y [M, N] in x's dtype; else float32 partials
-    [SPLIT_K, M, N]. K is a multiple of BLOCK_K * SPLIT_K's tiles (no mask along K)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % tiles_m, pid // tiles_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * k_per_split + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N] of weight^T
-    m_mask, n_mask = offs_m < M, offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, k_per_split, BLOCK_K):
-        x = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
-        w = tl.load(w_ptrs + k, mask=n_mask[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
-    out = out_ptr + tl.program_id(1) * M * N + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+def num_stages(block_m: int, block_n: int, block_k: int) -> int:
+    return max(2, min(4, STAGES_SMEM_BYTES // ((block_m + block_n) * block_k * 2)))
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int]) -> torch.Tensor:
-    """F.linear(x, weight) by _tiled_kernel with tile (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)."""
+def config_of(tile: tuple[int, int, int, int]) -> TileConfig:
+    """The TileConfig of tile (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K), warps and stages as tile_config sets them."""
     block_m, block_n, block_k, split_k = tile
-    M, K = x.shape
-    N = weight.shape[0]
-    assert K % (block_k * split_k) == 0, (K, tile)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    out = y if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
-    _tiled_kernel[(triton.cdiv(M, block_m) * triton.cdiv(N, block_n), split_k)](
-        x, weight, out, M, N, K, x.stride(0), K // split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3 if block_k == 128 else 4)
-    if split_k > 1:
-        sg._reduce(out, None, y)
-    return y
+    return TileConfig(block_m, block_n, block_k, split_k, num_warps=8 if block_m == block_n == 128 else 4,
+                      num_stages=num_stages(block_m, block_n, block_k))
 
 
-def best_tiles(M: int) -> dict[str, tuple]:
-    """Each projection's fastest tile at M rows, its time against cuBLAS's emitted."""
-    best = {}
+def tile_of(config: TileConfig) -> tuple[int, int, int, int]:
+    return config.block_m, config.block_n, config.block_k, config.split_k
+
+
+def tiled(x, weight, tile):
+    return tiled_linear(x, weight, defer_sum=tile[3] > 1, config=config_of(tile))
+
+
+def use_pdl(on: bool):
+    """The tiled GEMM and the engine's other kernels launch with PDL or without (utils.device.pdl_enabled)."""
+    os.environ["NANOVLLM_PDL"] = "1" if on else "0"
+
+
+def ranked_tiles(M: int) -> dict[str, list[tuple]]:
+    """Each projection's tiles at M rows, fastest alone first; times against cuBLAS's emitted."""
+    ranked = {}
     for name, (N, K) in PROJECTIONS.items():
         x = torch.randn(M, K, dtype=DTYPE, device="cuda")
         weight = torch.randn(N, K, dtype=DTYPE, device="cuda") / K ** 0.5
@@ -80,37 +73,70 @@ def best_tiles(M: int) -> dict[str, tuple]:
         cublas = bench(lambda x=x, weight=weight: F.linear(x, weight), quick=True)
         times = {}
         for tile in TILES:
-            if K % (tile[2] * tile[3]) or tile[0] > M:
+            if K % (tile[2] * tile[3]) or tile[0] > max(64, M) or (tile[3] > 1 and name not in SPLITTABLE):
                 continue
-            got = tiled_linear(x, weight, tile)
+            try:
+                got = summed(tiled(x, weight, tile))
+            except triton.runtime.errors.OutOfResources:
+                continue
             if not torch.allclose(got, expected, rtol=1.6e-2, atol=1e-2):
                 emit(f"   {name} M={M} {tile}: wrong result, max error {(got - expected).abs().max().item():.3g}")
                 continue
-            times[tile] = bench(lambda x=x, weight=weight, tile=tile: tiled_linear(x, weight, tile), quick=True)
-        ranked = sorted(times, key=times.get)
-        best[name] = ranked[0]
+            times[tile] = bench(lambda x=x, weight=weight, tile=tile: tiled(x, weight, tile), quick=True)
+        ranked[name] = sorted(times, key=times.get)
         emit(f"M={M:>3} {name:>7} N={N} K={K}: cuBLAS {cublas * 1e3:6.2f} us; tiled best "
-             + "  ".join(f"{'/'.join(map(str, t))}:{times[t] * 1e3:.2f}" for t in ranked[:4]))
-    return best
+             + "  ".join(f"{'/'.join(map(str, t))}:{times[t] * 1e3:.2f}" for t in ranked[name][:4]))
+    return ranked
 
 
-def chain(M: int, tiles: dict[str, tuple] | None, layers: int):
-    """`layers` layers of the four projections (their inputs fixed; each layer its own weights), by cuBLAS (tiles
-    None) or by the tiled kernel with each projection's tile."""
+def chain(M: int, tiles: dict[str, tuple] | None, layers: int = 28):
+    """`layers` decode layers' kernels less attention, the projections by cuBLAS (tiles None) or by the tiled
+    kernel with each projection's tile."""
     torch.manual_seed(0)
-    weights = [{name: torch.randn(N, K, dtype=DTYPE, device="cuda") / K ** 0.5
-                for name, (N, K) in PROJECTIONS.items()} for _ in range(layers)]
-    inputs = {name: torch.randn(M, K, dtype=DTYPE, device="cuda") for name, (N, K) in PROJECTIONS.items()}
+    hidden, heads, kv_heads, head_dim = 1024, 16, 8, 128
+
+    def w(*shape):
+        return torch.randn(*shape, dtype=DTYPE, device="cuda") / shape[-1] ** 0.5
+
+    weights = [{name: w(N, K) for name, (N, K) in PROJECTIONS.items()} for _ in range(layers)]
+    norm_w, head_norm_w = torch.ones(hidden, dtype=DTYPE, device="cuda"), torch.ones(head_dim, dtype=DTYPE,
+                                                                                      device="cuda")
+    attn_out = torch.randn(M, heads * head_dim, dtype=DTYPE, device="cuda")
+    first = torch.randn(M, hidden, dtype=DTYPE, device="cuda")
+    positions = torch.arange(M, device="cuda")
+    cos_sin = torch.randn(4096, head_dim, dtype=torch.float32, device="cuda")
+
+    def proj(name, x, weight):
+        return F.linear(x, weight) if tiles is None else tiled(x, weight, tiles[name])
 
     def run():
+        out, residual = first, first
         for layer in weights:
-            for name, weight in layer.items():
-                if tiles is None:
-                    F.linear(inputs[name], weight)
-                else:
-                    tiled_linear(inputs[name], weight, tiles[name])
+            h, residual = rms_norm_triton(out, residual, norm_w, 1e-6)
+            qkv = proj("qkv", h, layer["qkv"])
+            qk_norm_rope(qkv, positions, cos_sin, heads, kv_heads, head_dim, q_weight=head_norm_w,
+                         k_weight=head_norm_w)
+            o = proj("o", attn_out, layer["o"])
+            h, residual = rms_norm_triton(o, residual, norm_w, 1e-6)
+            act = silu_and_mul_triton(proj("gate_up", h, layer["gate_up"]))
+            out = proj("down", act, layer["down"])
 
     return run
+
+
+def chain_us(M, tiles, layers=28):
+    return bench(chain(M, tiles, layers)) * 1e3 / layers
+
+
+def engine_tiles(M: int) -> dict[str, tuple]:
+    """The tiles tile_config gives the engine at M rows (split K only where the next kernel sums the partials)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return {name: tile_of(tile_config(M, N, K, sms, splittable=name in SPLITTABLE))
+            for name, (N, K) in PROJECTIONS.items()}
+
+
+def named(tiles: dict[str, tuple]) -> str:
+    return ", ".join(f"{n} {'/'.join(map(str, t))}" for n, t in tiles.items())
 
 
 def main():
@@ -119,13 +145,27 @@ def main():
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     emit(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    emit("== tile BLOCK_M/BLOCK_N/BLOCK_K/SPLIT_K: us (one GEMM, medians)")
+    emit("== tile BLOCK_M/BLOCK_N/BLOCK_K/SPLIT_K: us (one GEMM alone, PDL, medians)")
     for M in args.rows:
-        tiles, layers = best_tiles(M), 28
-        cublas = bench(chain(M, None, layers)) * 1e3 / layers
-        tiled = bench(chain(M, tiles, layers)) * 1e3 / layers
-        emit(f"M={M:>3} chain of {layers} layers, the four projections, us a layer: cuBLAS {cublas:.2f}, tiled "
-             f"{tiled:.2f} ({cublas / tiled:.2f}x)")
+        use_pdl(True)
+        ranked = ranked_tiles(M)
+        cublas = chain_us(M, None)
+        engine = engine_tiles(M)
+        engine_us = chain_us(M, engine)
+        # Coordinate descent over the projections' tiles, in the chain, from each one's fastest alone.
+        best = {name: tiles[0] for name, tiles in ranked.items()}
+        best_us = chain_us(M, best)
+        for name, tiles in ranked.items():
+            for tile in tiles[1:TRIED_IN_CHAIN]:
+                us = chain_us(M, {**best, name: tile})
+                if us < best_us:
+                    best, best_us = {**best, name: tile}, us
+        use_pdl(False)
+        cublas_no_pdl, engine_no_pdl = chain_us(M, None), chain_us(M, engine)
+        emit(f"M={M:>3} chain, us a layer, PDL on: cuBLAS {cublas:.2f}; tile_config's tiles {engine_us:.2f} "
+             f"({cublas / engine_us:.2f}x): {named(engine)}; searched {best_us:.2f}: {named(best)}")
+        emit(f"M={M:>3} chain, us a layer, PDL off (every kernel): cuBLAS {cublas_no_pdl:.2f}; tile_config's "
+             f"tiles {engine_no_pdl:.2f}")
         save_report("bench_tiled_gemm.txt")
 
 
