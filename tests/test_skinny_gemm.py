@@ -36,6 +36,7 @@ from nanovllm.layers.skinny_gemm import (  # noqa: E402
     summed,
 )
 from nanovllm.layers.split_softmax import SplitSoftmax  # noqa: E402
+from nanovllm.layers.tiled_gemm import tiled_applies  # noqa: E402
 from nanovllm.models import decoder  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -267,8 +268,8 @@ def test_linear_dispatch_on_cuda(monkeypatch, M, uses_skinny):
     y = linear_module.linear(x, weight, b)
     assert calls == ([M] if uses_skinny else [])
     torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1.6e-2, atol=1e-3)
-    deferred = linear_module.linear(x, weight, defer_sum=True)  # o_proj's shape: K is split
-    assert isinstance(deferred, SplitKSum) == uses_skinny
+    deferred = linear_module.linear(x, weight, defer_sum=True)  # o_proj's shape: K is split (tiled GEMM's too)
+    assert isinstance(deferred, SplitKSum) == (uses_skinny or tiled_applies(x, weight))
     torch.testing.assert_close(summed(deferred), F.linear(x, weight), rtol=1.6e-2, atol=1e-3)
 
 

@@ -80,7 +80,9 @@ def tiled_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
-@triton.jit
+# M unspecialized (it only masks rows): an eager prefill of any size reuses the decode graphs' compilations, where
+# an M not a multiple of 16 would compile each tile configuration again on first use.
+@triton.jit(do_not_specialize=["M"])
 def _tiled_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, k_per_split, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
