@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gemm_reference import DEVICE, check, make_inputs, reference  # noqa: E402
 
 from nanovllm.layers import linear as linear_module  # noqa: E402
 from nanovllm.layers import skinny_gemm  # noqa: E402
@@ -39,30 +40,9 @@ from nanovllm.layers.split_softmax import SplitSoftmax  # noqa: E402
 from nanovllm.layers.tiled_gemm import tiled_applies  # noqa: E402
 from nanovllm.models import decoder  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 QWEN3_06B_SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024),
                     "down_proj": (1024, 3072)}  # (N, K)
-
-
-def make_inputs(M, N, K, dtype, bias=False, seed=0):
-    """x [M, K], weight [N, K] scaled so y is O(1), bias [N] or None."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
-    weight = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEVICE, dtype)
-    b = torch.randn(N, generator=gen).to(DEVICE, dtype) if bias else None
-    return x, weight, b
-
-
-def reference(x, weight, bias):
-    y = x.float() @ weight.float().T
-    return y if bias is None else y + bias.float()
-
-
-def check(y, x, weight, bias):
-    """Only the final rounding to 16 bits (plus float32 summation order) separates y from the reference."""
-    assert y.shape == (x.shape[0], weight.shape[0]) and y.dtype == x.dtype
-    torch.testing.assert_close(y.float(), reference(x, weight, bias), rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("M", [1, 3, 16])

@@ -14,36 +14,16 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gemm_reference import check, make_inputs  # noqa: E402
 
 from nanovllm.layers import linear as linear_module  # noqa: E402
 from nanovllm.layers import tiled_gemm  # noqa: E402
 from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum, summed  # noqa: E402
 from nanovllm.layers.tiled_gemm import TILED_MAX_ROWS, TileConfig, tile_config, tiled_applies, tiled_linear  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 H200_SMS = 132
 QWEN3_06B_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}  # (N, K)
-
-
-def make_inputs(M, N, K, dtype, bias=False, seed=0):
-    """x [M, K], weight [N, K] scaled so y is O(1), bias [N] or None."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
-    weight = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEVICE, dtype)
-    b = torch.randn(N, generator=gen).to(DEVICE, dtype) if bias else None
-    return x, weight, b
-
-
-def reference(x, weight, bias):
-    y = x.float() @ weight.float().T
-    return y if bias is None else y + bias.float()
-
-
-def check(y, x, weight, bias):
-    """Only the final rounding to 16 bits (plus float32 summation order) separates y from the reference."""
-    assert y.shape == (x.shape[0], weight.shape[0]) and y.dtype == x.dtype
-    torch.testing.assert_close(y.float(), reference(x, weight, bias), rtol=2e-3, atol=2e-3)
 
 
 def config(block_m, block_n, block_k, split_k, num_warps=4, num_stages=2):

@@ -1,0 +1,25 @@
+"""What the GEMM tests (test_skinny_gemm.py, test_tiled_gemm.py) compare their kernels with."""
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(M, N, K, dtype, bias=False, seed=0):
+    """x [M, K], weight [N, K] scaled so y is O(1), bias [N] or None."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(N, generator=gen).to(DEVICE, dtype) if bias else None
+    return x, weight, b
+
+
+def reference(x, weight, bias):
+    y = x.float() @ weight.float().T
+    return y if bias is None else y + bias.float()
+
+
+def check(y, x, weight, bias):
+    """Only the final rounding to 16 bits (plus float32 summation order) separates y from the reference."""
+    assert y.shape == (x.shape[0], weight.shape[0]) and y.dtype == x.dtype
+    torch.testing.assert_close(y.float(), reference(x, weight, bias), rtol=2e-3, atol=2e-3)
