@@ -103,9 +103,10 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKSum:
-        # In decode one kernel projects and activates (skinny_swiglu; for a few rows, down_proj's loads of its
-        # split-K partials activate them), and down_proj's split-K partials are summed by the kernel that reads
-        # them next: the next layer's input norm (or the final norm).
+        # Up to SKINNY_MAX_ROWS rows one kernel projects and activates (skinny_swiglu; for a few rows, down_proj's
+        # loads of its split-K partials activate them); above, gate_up (the tiled GEMM or cuBLAS) then SiLU. Either
+        # way down_proj's split-K partials are summed by the kernel that reads them next: the next layer's input
+        # norm (or the final norm).
         if skinny_applies(x):
             act = skinny_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias, defer=True)
         else:
