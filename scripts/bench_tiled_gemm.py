@@ -27,7 +27,7 @@ from nanovllm.layers.activation import silu_and_mul_triton
 from nanovllm.layers.layernorm import rms_norm_triton
 from nanovllm.layers.qk_norm_rope import qk_norm_rope
 from nanovllm.layers.skinny_gemm import summed
-from nanovllm.layers.tiled_gemm import STAGES_SMEM_BYTES, TileConfig, tile_config, tiled_linear
+from nanovllm.layers.tiled_gemm import TileConfig, config_for_tiles, tile_config, tiled_linear
 
 DTYPE = torch.bfloat16
 PROJECTIONS = {layer: (N, K) for model, layer, N, K in SHAPES if model == "0.6B"}
@@ -39,23 +39,12 @@ SPLITTABLE = ("qkv", "o", "down")
 TRIED_IN_CHAIN = 3  # a projection's fastest tiles alone that the chain tries
 
 
-def num_stages(block_m: int, block_n: int, block_k: int) -> int:
-    return max(2, min(4, STAGES_SMEM_BYTES // ((block_m + block_n) * block_k * 2)))
-
-
-def config_of(tile: tuple[int, int, int, int]) -> TileConfig:
-    """The TileConfig of tile (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K), warps and stages as tile_config sets them."""
-    block_m, block_n, block_k, split_k = tile
-    return TileConfig(block_m, block_n, block_k, split_k, num_warps=8 if block_m == block_n == 128 else 4,
-                      num_stages=num_stages(block_m, block_n, block_k))
-
-
 def tile_of(config: TileConfig) -> tuple[int, int, int, int]:
     return config.block_m, config.block_n, config.block_k, config.split_k
 
 
 def tiled(x, weight, tile):
-    return tiled_linear(x, weight, defer_sum=tile[3] > 1, config=config_of(tile))
+    return tiled_linear(x, weight, defer_sum=tile[3] > 1, config=config_for_tiles(*tile))
 
 
 def use_pdl(on: bool):

@@ -42,6 +42,14 @@ class TileConfig:
     num_stages: int
 
 
+def config_for_tiles(block_m: int, block_n: int, block_k: int, split_k: int = 1) -> TileConfig:
+    """The TileConfig of those tiles: 8 warps for 128 x 128 tiles, else 4; up to 4 pipeline stages, as many as
+    STAGES_SMEM_BYTES holds (at least 2)."""
+    stages = max(2, min(4, STAGES_SMEM_BYTES // ((block_m + block_n) * block_k * 2)))
+    return TileConfig(block_m, block_n, block_k, split_k, num_warps=8 if block_m == block_n == 128 else 4,
+                      num_stages=stages)
+
+
 @functools.cache  # a pure function of its arguments, asked for at every eager call
 def tile_config(M: int, N: int, K: int, sms: int, splittable: bool) -> TileConfig:
     """Tiles for x [M, K] @ weight [N, K].T, K a multiple of 64: 64 x 64 tiles of y, 128 wide along K; while there
@@ -66,9 +74,7 @@ def tile_config(M: int, N: int, K: int, sms: int, splittable: bool) -> TileConfi
     while (splittable and split_k < MAX_SPLIT_K and programs(2 * split_k) <= sms
            and K % (block_k * 2 * split_k) == 0 and K // (2 * split_k) >= 2 * block_k):
         split_k *= 2
-    num_stages = max(2, min(4, STAGES_SMEM_BYTES // ((block_m + block_n) * block_k * 2)))
-    return TileConfig(block_m, block_n, block_k, split_k, num_warps=8 if block_m == block_n == 128 else 4,
-                      num_stages=num_stages)
+    return config_for_tiles(block_m, block_n, block_k, split_k)
 
 
 def tiled_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -76,8 +82,12 @@ def tiled_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     Hopper GPU with PDL on, last dim contiguous; weight [N, K] contiguous in x's dtype, K a multiple of 64."""
     return (x.is_cuda and x.dim() == 2 and SKINNY_MAX_ROWS < x.shape[0] <= TILED_MAX_ROWS and x.stride(1) == 1
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()
-            and x.shape[1] % 64 == 0 and pdl_enabled(x.device)
-            and torch.cuda.get_device_capability(x.device)[0] == 9)
+            and x.shape[1] % 64 == 0 and pdl_enabled(x.device) and _is_hopper(x.device))
+
+
+@functools.cache
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 # M unspecialized (it only masks rows): an eager prefill of any size reuses the decode graphs' compilations, where
