@@ -148,3 +148,15 @@ def test_linear_dispatch_on_hopper(monkeypatch, M, uses_tiled):
     calls.clear()
     linear_module.linear(x, weight, b)
     assert calls == []  # without PDL it loses to cuBLAS
+
+
+@needs_cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+def test_not_applied_to_rows_tma_cannot_address():
+    """TMA needs the rows 16-byte aligned: x's first element and its row stride."""
+    weight = torch.randn(256, 1024, dtype=torch.bfloat16, device="cuda")
+    wide = torch.randn(64, 1032, dtype=torch.bfloat16, device="cuda")
+    assert tiled_applies(wide[:, 8:], weight)  # 16 bytes in, row stride 2,064 bytes
+    assert not tiled_applies(wide[:, 4:1028], weight)  # 8 bytes in
+    assert not tiled_applies(torch.randn(64, 1028, dtype=torch.bfloat16, device="cuda")[:, :1024], weight)

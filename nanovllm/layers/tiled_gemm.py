@@ -6,14 +6,18 @@ seventh sessions), and it is not launched with PDL: it starts only once the norm
 kernel after it only once it has. This kernel is: each program lets the next kernel launch at once, the first
 row tile's program of each weight tile prefetches the weight slice into L2 (no kernel of the step writes it),
 every program loads its first weight tile, and only then waits for x. Tiles are BLOCK_M x BLOCK_N of y, float32
-accumulation; K may be split into float32 partials that the next kernel sums as it loads them (a SplitKSum, for
-a caller passing defer_sum: the q/k norm + RoPE after qkv_proj, the norms after o_proj and down_proj).
+accumulation, loaded and stored by TMA (tensor descriptors: no address arithmetic or masks in the loop; rows and
+columns past the ends read zeros and are not written). K may be split into float32 partials that the next kernel
+sums as it loads them (a SplitKSum, for a caller passing defer_sum: the q/k norm + RoPE after qkv_proj, the
+norms after o_proj and down_proj).
 
 H200, Qwen3-0.6B's four projections in a chain of the engine's kernels (28 layers of input norm -> qkv -> q/k norm
 + RoPE -> o -> post-attention norm -> gate_up -> SiLU -> down, attention left out; scripts/bench_tiled_gemm.py,
 BENCHMARKS.md, thirty-eighth session): 26.3 us a layer against cuBLAS's 34.9 at 64 rows, 30.0 against 36.6 at
 128, 39.4 against 40.9 at 256; without PDL the same tiles were 33.2, 36.2 and 44.4. So it runs only with PDL,
-and only on Hopper (sm_90), where tile_config's tiles were measured.
+and only on Hopper (sm_90), where tile_config's tiles were measured. TMA loads instead of pointer loads (same
+tiles, fortieth session): 26.25 against 27.53 us a layer at 64 rows, 28.59 against 30.97 at 128, 36.29 against
+40.53 at 256.
 """
 
 import dataclasses
@@ -22,6 +26,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum
 from nanovllm.utils.device import num_sms, pdl_enabled, prefetch_to_l2
@@ -79,10 +84,12 @@ def tile_config(M: int, N: int, K: int, sms: int, splittable: bool) -> TileConfi
 
 def tiled_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the tiled GEMM takes x @ weight.T: x [SKINNY_MAX_ROWS < M <= TILED_MAX_ROWS, K] 16-bit rows on a
-    Hopper GPU with PDL on, last dim contiguous; weight [N, K] contiguous in x's dtype, K a multiple of 64."""
+    Hopper GPU with PDL on, last dim contiguous, rows 16-byte aligned (TMA); weight [N, K] contiguous in x's dtype,
+    K a multiple of 64."""
     return (x.is_cuda and x.dim() == 2 and SKINNY_MAX_ROWS < x.shape[0] <= TILED_MAX_ROWS and x.stride(1) == 1
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()
-            and x.shape[1] % 64 == 0 and pdl_enabled(x.device) and _is_hopper(x.device))
+            and x.shape[1] % 64 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+            and pdl_enabled(x.device) and _is_hopper(x.device))
 
 
 @functools.cache
@@ -90,49 +97,43 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-# M unspecialized (it only masks rows): an eager prefill of any size reuses the decode graphs' compilations, where
-# an M not a multiple of 16 would compile each tile configuration again on first use.
+# M unspecialized (TMA masks the rows past it): an eager prefill of any size reuses the decode graphs' compilations,
+# where an M not a multiple of 16 would compile each tile configuration again on first use.
 @triton.jit(do_not_specialize=["M"])
-def _tiled_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, k_per_split, HAS_BIAS: tl.constexpr,
+def _tiled_kernel(x_desc, w_desc, w_ptr, b_ptr, out_desc, M, N, K, k_per_split, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
-    """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). The programs of one weight tile are consecutive, so
-    its other row tiles read it from L2. SPLIT_K 1: out is y [M, N] in x's dtype (+ bias); else float32 partials
-    [SPLIT_K, M, N] (no bias). k_per_split is a multiple of BLOCK_K of at least one tile (no mask along K)."""
+    """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). x [M, K] and weight [N, K] (w_ptr its data, for the
+    prefetch) are read, and out written, through tensor descriptors of BLOCK_M x BLOCK_K, BLOCK_N x BLOCK_K and
+    BLOCK_M x BLOCK_N blocks. The programs of one weight tile are consecutive, so its other row tiles read it from
+    L2. SPLIT_K 1: out is y [M, N] in x's dtype (+ bias); else float32 partials [SPLIT_K, M, N] (blocks
+    1 x BLOCK_M x BLOCK_N, no bias). k_per_split is a multiple of BLOCK_K of at least one tile."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = pid % tiles_m, pid // tiles_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
     k_start = tl.program_id(1) * k_per_split
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N] of weight.T
-    m_mask, n_mask = offs_m < M, offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    loop_start = 0
+    loop_start = k_start
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         if pid_m == 0:  # PREFETCH_LINES lines of 64 16-bit weights a row, clamped to the split
             line_k = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * 64, k_start + k_per_split - 1)
-            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+            rows = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
             prefetch_to_l2(w_ptr + rows[:, None] * K + line_k[None, :])
-        w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+        w = w_desc.load([off_n, k_start])
         tl.extra.cuda.gdc_wait()  # x is the kernel before's output
-        acc = tl.dot(tl.load(x_ptrs, mask=m_mask[:, None], other=0.0), w, acc)
-        loop_start = BLOCK_K
-    for k in range(loop_start, k_per_split, BLOCK_K):
-        x = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
-        w = tl.load(w_ptrs + k, mask=n_mask[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
-    out_mask = m_mask[:, None] & n_mask[None, :]
+        acc = tl.dot(x_desc.load([off_m, k_start]), tl.trans(w), acc)
+        loop_start += BLOCK_K
+    for k in range(loop_start, k_start + k_per_split, BLOCK_K):
+        acc = tl.dot(x_desc.load([off_m, k]), tl.trans(w_desc.load([off_n, k])), acc)
     if SPLIT_K == 1:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
     else:
-        part = out_ptr + (tl.program_id(1) * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-        tl.store(part, acc, mask=out_mask)
+        out_desc.store([tl.program_id(1), off_m, off_n], acc.reshape([1, BLOCK_M, BLOCK_N]))
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -154,9 +155,13 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         out = torch.empty(config.split_k, M, N, dtype=torch.float32, device=x.device)
     if M:
         pdl = pdl_enabled(x.device)
-        _tiled_kernel[(triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), config.split_k)](
-            x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), k_per_split,
-            HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            SPLIT_K=config.split_k, PDL=pdl, PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split, 64)),
-            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+        out_block = [block_m, block_n] if config.split_k == 1 else [1, block_m, block_n]
+        _tiled_kernel[(triton.cdiv(M, block_m) * triton.cdiv(N, block_n), config.split_k)](
+            TensorDescriptor.from_tensor(x, [block_m, block_k]),
+            TensorDescriptor.from_tensor(weight, [block_n, block_k]), weight, bias if bias is not None else weight,
+            TensorDescriptor.from_tensor(out, out_block), M, N, K, k_per_split, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=config.split_k, PDL=pdl,
+            PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split, 64)), num_warps=config.num_warps,
+            num_stages=config.num_stages, launch_pdl=pdl)
     return out if config.split_k == 1 else SplitKSum(out, x.dtype)
