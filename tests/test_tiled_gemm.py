@@ -22,6 +22,8 @@ from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum, summed  # no
 from nanovllm.layers.tiled_gemm import TILED_MAX_ROWS, TileConfig, tile_config, tiled_applies, tiled_linear  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                  reason="needs a Hopper GPU")
 H200_SMS = 132
 QWEN3_06B_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}  # (N, K)
 
@@ -128,9 +130,7 @@ def test_cuda_graph_replay():
     assert not torch.equal(y, expected)
 
 
-@needs_cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="needs a Hopper GPU")
+@needs_hopper
 @pytest.mark.parametrize("M, uses_tiled", [(SKINNY_MAX_ROWS, False), (SKINNY_MAX_ROWS + 1, True),
                                            (TILED_MAX_ROWS, True), (TILED_MAX_ROWS + 1, False)])
 def test_linear_dispatch_on_hopper(monkeypatch, M, uses_tiled):
@@ -150,9 +150,7 @@ def test_linear_dispatch_on_hopper(monkeypatch, M, uses_tiled):
     assert calls == []  # without PDL it loses to cuBLAS
 
 
-@needs_cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="needs a Hopper GPU")
+@needs_hopper
 def test_not_applied_to_rows_tma_cannot_address():
     """TMA needs the rows 16-byte aligned: x's first element and its row stride."""
     weight = torch.randn(256, 1024, dtype=torch.bfloat16, device="cuda")
