@@ -235,6 +235,43 @@ def test_decode_from_qkv(dtype, fp8, splits, num_splits):
         torch.testing.assert_close(cache.float(), two_kernels[name].float(), equal_nan=True, **tol)
 
 
+@pytest.mark.parametrize("splits,num_splits", [(0, 1), (2, 4)])
+def test_decode_writes_the_staged_v(splits, num_splits):
+    """With qk_norm_rope's stage_v the new V reaches the fp8 cache through the decode kernel (the program
+    whose split holds the newest key attends to it from the staging rows, then writes it): every cache
+    tensor is exactly as when qk_norm_rope stores V itself (the newest slots held NaN scales), the output
+    as close as a reordered softmax sum (the newest key first, its weight not rounded to fp16)."""
+    h, kvh, d, block_size, lens = 4, 2, 32, 16, [1, 40, 0, 129, 33]
+    k_cache, v_cache, tables, ctx = make_cache(lens, block_size, kvh, d, torch.float16)
+
+    def layer_cache() -> tuple[dict, torch.Tensor]:
+        k8, v8, scales, _, _ = fp8_cache(k_cache, v_cache)
+        cache = dict(k_cache=k8, v_cache=v8, **scales)
+        return cache, erased_newest_token(cache, tables, ctx)
+
+    (stored, slots), (staged, _) = layer_cache(), layer_cache()
+    gen = torch.Generator().manual_seed(3)
+    parts = torch.randn(max(splits, 1), len(lens), (h + 2 * kvh) * d, generator=gen).to(DEVICE)
+    qkv = SplitKSum(parts, torch.float16) if splits else parts[0].half()
+    positions = (ctx.long() - 1).clamp(min=0)
+    cos_sin = RotaryEmbedding(default_inv_freq(d, 1e6), 4096).cos_sin_cache.to(DEVICE)
+    order = torch.tensor(sorted(range(len(lens)), key=lambda b: -lens[b]), dtype=torch.int32, device=DEVICE)
+
+    def decode(cache, stage_v):
+        q, _, v = qk_norm_rope(qkv, positions, cos_sin, h, kvh, d, None, None, 1e-6, slots, stage_v=stage_v,
+                               **cache)
+        return triton_decode.paged_decode_attention(q, cache["k_cache"], cache["v_cache"], tables, ctx, d ** -0.5,
+                                                    k_scale=cache["k_scale"], v_scale=cache["v_scale"],
+                                                    order=order, num_splits=num_splits,
+                                                    staged_v=(v, slots) if stage_v else None)
+
+    expected, out = decode(stored, False), decode(staged, True)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+    for name, cache in staged.items():
+        torch.testing.assert_close(cache.float(), stored[name].float(), rtol=0, atol=0, equal_nan=True)
+
+
 def test_decode_num_splits_heuristic():
     dev = torch.device("cpu")
     assert triton_decode._decode_num_splits(256, 8, 1024, dev) == 1

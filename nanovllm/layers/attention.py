@@ -134,7 +134,7 @@ def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
 
 def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                     k_scale=None, v_scale=None) -> torch.Tensor:
+                     k_scale=None, v_scale=None, v_staged: bool = False) -> torch.Tensor:
     from nanovllm.layers.triton_decode import paged_decode_attention
     from nanovllm.layers.triton_prefill import (
         dequantized_prefill_attention,
@@ -144,7 +144,8 @@ def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: 
 
     if not meta.is_prefill:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                      k_scale=k_scale, v_scale=v_scale, order=meta.decode_order)
+                                      k_scale=k_scale, v_scale=v_scale, order=meta.decode_order,
+                                      staged_v=(v, meta.slot_mapping) if v_staged else None)
     if not meta.prefix_cached:  # over the new K/V, as flash-attn; an fp8 cache's rounding then touches decode only
         return varlen_prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)
     if meta.dequant_groups:  # fp8 prefix: dequantized, so the faster 16-bit kernel attends
@@ -198,8 +199,13 @@ class Attention(nn.Module):
                                      order=meta.decode_order, from_qkv=inputs, defer_merge=True)
         return out if isinstance(out, SplitSoftmax) else out.flatten(1, -1)
 
+    def stages_v(self, meta: AttentionMetadata) -> bool:
+        """Whether this decode step's new V goes to the fp8 cache through the decode kernel (qk_norm_rope's stage_v)."""
+        return (self.attend is triton_attention and not meta.is_prefill and self.v_scale is not None
+                and self.k_cache.numel() > 0)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                kv_stored: bool = False) -> torch.Tensor:
+                kv_stored: bool = False, v_staged: bool = False) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], stored into
         the cache at meta.slot_mapping first unless `kv_stored` (already written there, see kv_cache_views)."""
         if self.k_cache.numel() == 0:
@@ -208,5 +214,6 @@ class Attention(nn.Module):
             return torch.zeros_like(q)
         if not kv_stored:
             self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        return self.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        extra = {"v_staged": True} if v_staged else {}
+        return self.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale, **extra)
 

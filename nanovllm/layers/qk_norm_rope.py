@@ -26,9 +26,11 @@ from nanovllm.utils.device import pdl_enabled
 
 @triton.jit
 def _store_heads(x1, x2, cache_ptr, scale_ptr, slot, first_head, HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                 D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, IS_V: tl.constexpr):
+                 D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, IS_V: tl.constexpr, staging_row=None):
     """Writes KV heads first_head.. first_head + HEADS - 1 of one token, as their halves x1, x2 [HEADS, D // 2],
-    to cache slot `slot`; into an fp8 cache quantized as the KV store does (a scale per token and head)."""
+    to cache slot `slot`; into an fp8 cache quantized as the KV store does (a scale per token and head).
+    With staging_row (an fp8 V), the scales go to the cache but the heads to row staging_row of cache_ptr,
+    a staging tensor [tokens, NUM_KV_HEADS, D] (qk_norm_rope's stage_v)."""
     half = tl.arange(0, D // 2)[None, :]
     heads = first_head + tl.arange(0, HEADS)
     if FP8:
@@ -37,7 +39,10 @@ def _store_heads(x1, x2, cache_ptr, scale_ptr, slot, first_head, HEADS: tl.const
         scale = store_fp8_scale(amax, scale_ptr, slot, heads, NUM_KV_HEADS, PAGE)[:, None]
         x1, x2 = to_fp8(x1 / scale), to_fp8(x2 / scale)
     heads = heads[:, None]
-    if FP8 and IS_V:
+    if staging_row is not None:
+        first = (staging_row * NUM_KV_HEADS + heads) * D + half
+        second = first + D // 2
+    elif FP8 and IS_V:
         first, second = (fp8_v_offset(slot, heads, half, NUM_KV_HEADS, D, PAGE),
                          fp8_v_offset(slot, heads, half + D // 2, NUM_KV_HEADS, D, PAGE))
     else:
@@ -149,7 +154,7 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
                          k_scale_ptr, v_scale_ptr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
                          QKV_SPLITS: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr,
-                         FP8: tl.constexpr, PDL: tl.constexpr):
+                         FP8: tl.constexpr, STAGE_V: tl.constexpr, PDL: tl.constexpr):
     """qkv is loaded through load_split_sum (QKV_SPLITS, qkv_split_stride: skinny_gemm.split_operand); when
     it is a SplitKSum (QKV_SPLITS > 0), the v heads are also written to v_ptr [tokens, NUM_KV_HEADS, D]."""
     if PDL:
@@ -177,14 +182,18 @@ def _qk_norm_rope_kernel(qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, c
         slot = tl.load(slot_mapping_ptr + token)  # -1: write nothing
     if head >= NUM_HEADS + NUM_KV_HEADS:  # v heads: stored unchanged
         v_head = head - NUM_HEADS - NUM_KV_HEADS
-        if QKV_SPLITS > 0:
+        if QKV_SPLITS > 0 and not STAGE_V:
             dst = v_ptr + (token * NUM_KV_HEADS + heads - NUM_HEADS - NUM_KV_HEADS) * D + half
             tl.store(dst, x1)
             tl.store(dst + D // 2, x2)
         if STORE:
             if slot != -1:
-                _store_heads(x1, x2, v_cache_ptr, v_scale_ptr, slot, v_head, HEADS, NUM_KV_HEADS, D, PAGE, FP8,
-                             IS_V=True)
+                if STAGE_V:
+                    _store_heads(x1, x2, v_ptr, v_scale_ptr, slot, v_head, HEADS, NUM_KV_HEADS, D, PAGE, FP8,
+                                 IS_V=True, staging_row=token)
+                else:
+                    _store_heads(x1, x2, v_cache_ptr, v_scale_ptr, slot, v_head, HEADS, NUM_KV_HEADS, D, PAGE,
+                                 FP8, IS_V=True)
         return
     y1, y2 = normed_rotated(x1, x2, *factors, eps, HAS_NORM, D, dtype)
     if is_q:
@@ -220,7 +229,7 @@ def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  heads_per_program: int | None = None,
-                 v_store_tile: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 v_store_tile: int = 0, stage_v: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads, head_dim]) from the
     qkv projection's output [T, (num_heads + 2 * num_kv_heads) * head_dim]: q and k new contiguous tensors,
     each head RMS-normed with q_weight / k_weight (when given; None for RoPE only), then rotated by RoPE at
@@ -239,6 +248,10 @@ def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin
     v_store_tile (a power of two; 0: off) stores an fp8 cache's V by a kernel of its own, a program per
     tile of that many tokens and kv head: for prefill, whose consecutive tokens have consecutive slots
     (_store_v_fp8_tiles_kernel). Without it each token's V head lands as 128 single bytes PAGE apart.
+
+    stage_v (decode, an fp8 cache): the V scales go to the cache but the quantized V heads do not; v is
+    then a new float8 [T, num_kv_heads, head_dim] of them (rows of slot -1 unwritten), for the decode
+    kernel to attend to and write into the cache (triton_decode.paged_decode_attention's staged_v).
     """
     num_tokens = qkv.shape[0]
     data, splits, split_stride = split_operand(qkv)
@@ -258,7 +271,10 @@ def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin
         assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=data.device)
     k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=data.device)
-    if splits:
+    stage_v = stage_v and fp8
+    if stage_v:
+        v = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=k_cache.dtype, device=data.device)
+    elif splits:
         v = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=data.device)
     else:
         v = qkv[:, -num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
@@ -272,7 +288,8 @@ def qk_norm_rope(qkv: torch.Tensor | SplitKSum, positions: torch.Tensor, cos_sin
         data, data.stride(-2), split_stride, positions, cos_sin_cache, cos_sin_cache.stride(0), q, k, v, q_weight,
         k_weight, eps, slot_mapping, k_cache, v_cache, k_scale, v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, HEADS=heads, QKV_SPLITS=splits,
-        HAS_NORM=has_norm, STORE=store, PAGE=k_cache.size(1) if store else 1, FP8=fp8, PDL=pdl, launch_pdl=pdl,
+        HAS_NORM=has_norm, STORE=store, PAGE=k_cache.size(1) if store else 1, FP8=fp8, STAGE_V=stage_v, PDL=pdl,
+        launch_pdl=pdl,
         # One warp per program: the sums of squares need no cross-warp step.
         num_warps=1,
         # No FMA contraction: x1 * cos - x2 * sin rounds each product as torch does.

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.kv_cache import fp8_v_offset
 from nanovllm.layers.qk_norm_rope import NormRopeInputs, decode_q_storing_kv, rope_factors
 from nanovllm.layers.skinny_gemm import split_operand
 from nanovllm.layers.split_softmax import SplitSoftmax, merge_splits
@@ -88,12 +89,12 @@ def _decode_kernel(
     m_ptr, l_ptr, split_counts_ptr, sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt,
     stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_sh, stride_bt,
     qkv_ptr, stride_qkv, qkv_split_stride, positions_ptr, cos_sin_ptr, stride_cs, q_weight_ptr, k_weight_ptr, eps,
-    slot_mapping_ptr,
+    slot_mapping_ptr, staged_v_ptr,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_COMPUTE: tl.constexpr,
     ORDERED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LAST_SPLIT_MERGES: tl.constexpr,
     MERGE_HEADS: tl.constexpr, FROM_QKV: tl.constexpr, QKV_SPLITS: tl.constexpr, HAS_NORM: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, STAGED_V: tl.constexpr,
 ):
     """Grid (NUM_SPLITS, KVH, B): the G query heads of kv head program_id(1) over split program_id(0) of the
     context, of sequence order[program_id(2)] if ORDERED, else program_id(2).
@@ -138,6 +139,8 @@ def _decode_kernel(
         q_factors = rope_factors(cos_sin_row, q_weight_ptr, HAS_NORM, D)
         k_factors = rope_factors(cos_sin_row, k_weight_ptr, HAS_NORM, D)
         slot = tl.load(slot_mapping_ptr + seq)
+    if STAGED_V:  # host-written
+        slot = tl.load(slot_mapping_ptr + seq)
     if PDL:
         if PREFETCH:
             if start < end:
@@ -168,6 +171,20 @@ def _decode_kernel(
     acc = tl.zeros([G_PAD, D], tl.float32)
     acc_t = tl.zeros([D, G_PAD], tl.float32)  # fp8: acc transposed (_keys_major_step)
     acc_unit = 1.0
+    if STAGED_V:  # the newest key's V is not in the cache yet: it comes first, from the staging rows
+        newest = (start <= ctx - 1) & (ctx - 1 < end) & (slot != -1)
+        new_slot = tl.where(newest, slot, 0)  # the other programs read slot 0 and take nothing of it
+        new_block, new_offset = new_slot // PAGE, new_slot % PAGE
+        new_k = tl.load(k_ptr + new_block * stride_kb + new_offset * stride_kt + kv_head * stride_kh + d)
+        new_scales = new_block * stride_sb + kv_head * stride_sh + new_offset
+        new_k_scale = tl.load(k_scale_ptr + new_scales)
+        new_v_scale = tl.load(v_scale_ptr + new_scales)
+        new_v = tl.load(staged_v_ptr + (seq * NUM_KV_HEADS + kv_head) * D + d)
+        new_logit = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * new_k_scale * sm_scale_log2
+        m_i = tl.where(newest, new_logit, m_i)
+        l_i = tl.where(newest, 1.0, l_i)
+        acc_t = tl.where(newest, new_v.to(tl.float32) * new_v_scale, 0.0)[:, None] + acc_t
+        end = tl.where(newest, ctx - 1, end)  # the loop's keys: the others
     # One pipelined loop, the last (partial) tile included: run apart, unpipelined, an fp8 partial tile
     # made the kernel 1.2x slower over ragged contexts (BENCHMARKS.md, eighth session).
     for s in range(start, end, BLOCK_N):
@@ -181,6 +198,9 @@ def _decode_kernel(
         else:
             m_i, l_i, acc, acc_unit = softmax_step(q, None, k, v, k_scale, v_scale, m_i, l_i, acc, acc_unit,
                                                     key_mask[None, :], sm_scale_log2, DOT_PRECISION, FP8, FP8_COMPUTE)
+    if STAGED_V:  # its V into the cache, after the loop read the lines around it
+        if newest:
+            tl.store(v_ptr + fp8_v_offset(slot, kv_head, d, NUM_KV_HEADS, D, PAGE), new_v)
     if FP8:
         acc = tl.trans(acc_t)
 
@@ -273,7 +293,8 @@ def _decode_tile(head_dim: int, fp8: bool) -> tuple[int, int, int]:
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None, v_scale=None,
                            order=None, out=None, num_splits=None, block_n=None, num_warps=None, num_stages=None,
                            from_qkv: NormRopeInputs | None = None,
-                           defer_merge: bool = False) -> "torch.Tensor | SplitSoftmax":
+                           defer_merge: bool = False,
+                           staged_v: tuple[torch.Tensor, torch.Tensor] | None = None) -> "torch.Tensor | SplitSoftmax":
     """Single-token attention of each sequence over its paged KV cache.
 
     q: [B, H, D], the query at position context_lens[b] - 1 (its K/V already in the cache).
@@ -287,6 +308,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     num_stages override the launch heuristics (_decode_num_splits, _decode_tile).
     from_qkv (q None): the qkv projection instead of q; the kernel computes q as qk_norm_rope would and
     stores the new K/V (not yet in the cache) as its store would.
+    staged_v (v, slot_mapping): the newest token's V, quantized (qk_norm_rope's stage_v: fp8 [B, KVH, D]), is
+    not yet in the cache (its K and both scales are). The program whose split holds it attends to it first,
+    from v, then to the rest of its split, and writes it into the cache after its loop; the output then
+    differs from the cached path's by rounding only (the sum's order; that key's weight is not rounded to fp16).
+    Writing it before the loop, followed by a barrier, made bench.py 1.3% slower (forty-first session); after,
+    0.5% faster than qk_norm_rope's store (forty-second; BENCHMARKS.md).
     defer_merge: where no program of the kernel merges the splits (more than MAX_SPLITS_MERGED_BY_THE_LAST), return
     their partials, a SplitSoftmax, for the kernel that reads the output to merge (skinny_linear does).
     """
@@ -320,16 +347,21 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     strides = paged_strides(k_cache, v_cache, k_scale, block_tables)
     pdl = pdl_enabled(q.device)
     qkv_args, qkv_splits, has_norm = _from_qkv_args(from_qkv, out)
+    if staged_v is not None:
+        assert from_qkv is None and fp8 and staged_v[0].shape == (B, kvh, D) and staged_v[0].is_contiguous()
+        qkv_args = (*qkv_args[:-1], staged_v[1])  # the slot mapping
+    staged_v_ptr = out if staged_v is None else staged_v[0]
     _decode_kernel[(num_splits, kvh, B)](
         q, k_cache, v_cache, *scale_ptrs(k_cache, v_cache, k_scale, v_scale), block_tables, context_lens,
         context_lens if order is None else order, out, part_acc, part_max, part_sum, split_counts, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, *qkv_args,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, *qkv_args, staged_v_ptr,
         G=G, G_PAD=max(8 if fp8 else 16, triton.next_power_of_2(G)), D=D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, FP8=fp8, FP8_COMPUTE=fp8_compute_dtype(q),
         ORDERED=order is not None, PDL=pdl,
         PREFETCH=num_splits >= PREFETCH_MIN_SPLITS, LAST_SPLIT_MERGES=last_split_merges,
         MERGE_HEADS=_merge_heads(G, num_splits), FROM_QKV=from_qkv is not None, QKV_SPLITS=qkv_splits,
-        HAS_NORM=has_norm, NUM_KV_HEADS=kvh, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        HAS_NORM=has_norm, NUM_KV_HEADS=kvh, STAGED_V=staged_v is not None, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl,
         # from_qkv: no FMA contraction, so that q and k round as qk_norm_rope's (which says why)
         enable_fp_fusion=from_qkv is None, **({"maxnreg": FP8_MAX_REGISTERS} if fp8 else {}),
     )

@@ -56,8 +56,9 @@ class DecoderAttention(nn.Module):
         if fused and self.attn.decodes_from_qkv(qkv, meta):
             out = self.attn.decode_from_qkv(self.norm_rope_inputs(positions, qkv, meta.slot_mapping), meta)
         else:
-            q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping, meta.is_prefill)
-            out = self.attn(q, k, v, meta, kv_stored=fused).flatten(1, -1)
+            stage_v = fused and self.attn.stages_v(meta)
+            q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping, meta.is_prefill, stage_v)
+            out = self.attn(q, k, v, meta, kv_stored=fused, v_staged=stage_v).flatten(1, -1)
         return self.o_proj(out, defer_sum=True)  # summed by the post-attention norm
 
     def norm_rope_inputs(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum,
@@ -74,14 +75,15 @@ class DecoderAttention(nn.Module):
 
     def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum, fused: bool,
                   slot_mapping: torch.Tensor | None = None,
-                  prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  prefill: bool = False, stage_v: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim] from the qkv
         projection: q and k per-head RMS-normed (with qk_norm), then rotated. `fused`: one Triton kernel
         (CUDA), which with slot_mapping also stores the new K and V into self.attn's cache (once the pool
-        exists; a prefill's fp8 V by tiles of consecutive tokens); else the torch ops, the exact reference
-        the CPU tests compare with transformers, storing nothing."""
+        exists; a prefill's fp8 V by tiles of consecutive tokens; with `stage_v`, a decode step's fp8 V into a
+        staging tensor that the decode kernel attends and writes into the cache); else the torch ops, the exact
+        reference the CPU tests compare with transformers, storing nothing."""
         if fused:
-            store = dict(slot_mapping=slot_mapping, v_store_tile=V_STORE_TILE if prefill else 0,
+            store = dict(slot_mapping=slot_mapping, v_store_tile=V_STORE_TILE if prefill else 0, stage_v=stage_v,
                          **self.attn.kv_cache_views()) if slot_mapping is not None else {}
             return qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
                                 self.head_dim, **self.qk_norm_weights(), **store)
