@@ -25,7 +25,7 @@ FROM_QKV = {"qkv_ptr": "*fp32", "positions_ptr": "*i64", "q_weight_ptr": "*bf16"
 # stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
 DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False,
               ORDERED=True, PDL=True, PREFETCH=False, LAST_SPLIT_MERGES=True, MERGE_HEADS=2,
-              FROM_QKV=False, QKV_SPLITS=0, HAS_NORM=False, NUM_KV_HEADS=8, stride_vd=1)
+              FROM_QKV=False, QKV_SPLITS=0, HAS_NORM=False, NUM_KV_HEADS=8, STAGED_V=False, stride_vd=1)
 PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, PAGED=True,
                stride_vd=1)
 VARLEN = dict(PAGE=0, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages
@@ -34,7 +34,7 @@ STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
 QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "slot_mapping_ptr": "*i64"}  # k/v_scale_ptr: *fp32
 QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HEADS=8, QKV_SPLITS=0, HAS_NORM=True,
-                               STORE=False, PAGE=256, FP8=False, PDL=True)
+                               STORE=False, PAGE=256, FP8=False, STAGE_V=False, PDL=True)
 SKINNY_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}
 SKINNY = dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, PDL=True, PREFETCH_LINES=4,
               GATED=False, X_SPLITS=0, X_HEAD_DIM=0, X_GATED=False, X_ROWS=0)
@@ -73,6 +73,9 @@ def configurations():
                                  merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "PREFETCH": True})),
         "decode bf16, prefetch": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"],
                                   {**DECODE, **fp16, "PREFETCH": True, "NUM_SPLITS": 16, "LAST_SPLIT_MERGES": False}),
+        "decode fp8, staged v": (decode, "_decode_kernel", {**FP8_ATTENTION, "slot_mapping_ptr": "*i64",
+                                                            "staged_v_ptr": "*fp8e4nv"}, ["sm_scale_log2"],
+                                 merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "STAGED_V": True})),
         "decode splits merge": ("nanovllm.layers.split_softmax", "_merge_kernel", {"out_ptr": "*bf16"}, [],
                                 dict(D=128, NUM_SPLITS=16, PDL=True)),
         "prefill bf16": (prefill, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
@@ -144,6 +147,11 @@ def configurations():
                                                       "v_cache_ptr": "*fp8e4nv"}, ["eps"],
                                                      {**QK_NORM_ROPE_CONSTEXPRS, "HEADS": 1, "QKV_SPLITS": 2,
                                                       "STORE": True, "FP8": True}),
+        "q/k norm + rope + fp8 store, v staged": (qk_norm_rope, "_qk_norm_rope_kernel",
+                                                  {**QK_NORM_ROPE, "qkv_ptr": "*fp32", "k_cache_ptr": "*fp8e4nv",
+                                                   "v_cache_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}, ["eps"],
+                                                  {**QK_NORM_ROPE_CONSTEXPRS, "HEADS": 1, "QKV_SPLITS": 2,
+                                                   "STORE": True, "FP8": True, "STAGE_V": True}),
     }
 
 
