@@ -14,22 +14,24 @@ reads with the rest, as one stream of kernels does not (BENCHMARKS.md, thirty-th
 import argparse
 
 import numpy as np
+import torch
 
 from bench import decode_phase, upstream_workload
+from nanovllm.layers.kv_cache import bytes_per_token
 from nanovllm.utils.tiny_model import QWEN3_0_6B as ARCH
 
 LAYERS, HIDDEN, INTER = ARCH["num_hidden_layers"], ARCH["hidden_size"], ARCH["intermediate_size"]
 HEAD_DIM, HEADS, KV_HEADS = ARCH["head_dim"], ARCH["num_attention_heads"], ARCH["num_key_value_heads"]
 LAYER_PARAMS = HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * HIDDEN + 3 * HIDDEN * INTER
 LM_HEAD_PARAMS = ARCH["vocab_size"] * HIDDEN
-WEIGHT_BYTES = 2 * (LAYERS * LAYER_PARAMS + LM_HEAD_PARAMS)  # bf16
+DECODE_PARAMS = LAYERS * LAYER_PARAMS + LM_HEAD_PARAMS  # what a decode row multiplies by (2 FLOPs each)
+WEIGHT_BYTES = 2 * DECODE_PARAMS  # bf16
+CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def kv_bytes_per_key(cache_dtype: str) -> int:
     """What attention reads of one cached token: its K and V heads in every layer (and their fp8 scales)."""
-    if cache_dtype == "fp8":
-        return LAYERS * KV_HEADS * 2 * (HEAD_DIM + 4)
-    return LAYERS * KV_HEADS * 2 * HEAD_DIM * 2
+    return bytes_per_token(LAYERS, KV_HEADS, HEAD_DIM, CACHE_DTYPES[cache_dtype])
 
 
 def floor_by_phase(prompt_lens: np.ndarray, output_lens: np.ndarray, bandwidth: float,
@@ -40,14 +42,15 @@ def floor_by_phase(prompt_lens: np.ndarray, output_lens: np.ndarray, bandwidth: 
     prefill_flops = 2 * (LAYERS * LAYER_PARAMS * prompt_lens.sum() + LM_HEAD_PARAMS * len(prompt_lens))
     prefill_flops += LAYERS * 4 * HEADS * HEAD_DIM * (prompt_lens * (prompt_lens + 1) // 2).sum()
     phases["prefill"] = [0, prefill_flops / flop_rate, prefill_flops / flop_rate]  # its step count is the scheduler's
+    key_bytes = kv_bytes_per_key("bf16"), kv_bytes_per_key("fp8")
     for step in range(1, output_lens.max()):  # the prefill sampled each request's first token
         alive = output_lens > step
-        keys = (prompt_lens[alive] + step).sum()
-        rest = max(WEIGHT_BYTES / bandwidth, alive.sum() * 2 * (LAYERS * LAYER_PARAMS + LM_HEAD_PARAMS) / flop_rate)
-        entry = phases.setdefault(decode_phase(int(alive.sum())), [0, 0.0, 0.0])
+        rows, keys = int(alive.sum()), (prompt_lens[alive] + step).sum()
+        rest = max(WEIGHT_BYTES / bandwidth, rows * 2 * DECODE_PARAMS / flop_rate)
+        entry = phases.setdefault(decode_phase(rows), [0, 0.0, 0.0])
         entry[0] += 1
-        entry[1] += keys * kv_bytes_per_key("bf16") / bandwidth + rest
-        entry[2] += keys * kv_bytes_per_key("fp8") / bandwidth + rest
+        entry[1] += keys * key_bytes[0] / bandwidth + rest
+        entry[2] += keys * key_bytes[1] / bandwidth + rest
     return phases
 
 

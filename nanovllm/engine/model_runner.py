@@ -20,6 +20,7 @@ from nanovllm.engine.sampling_metadata import ALL_CONTROLS, build_sampling_metad
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.shm_channel import ShmChannel, WorkerEnd
 from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.layers.kv_cache import bytes_per_token
 from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
@@ -146,8 +147,8 @@ class ModelRunner:
             capacity = max(self.config.max_model_len, self.config.max_num_batched_tokens)
             self.inputs.dequant_workspace = torch.empty(2, capacity, self.num_kv_heads, self.head_dim,
                                                         dtype=self.dtype, device=self.device)
-        token_bytes = self.num_kv_heads * (self.head_dim * cache_dtype.itemsize + (4 if fp8 else 0))
-        block_bytes = 2 * hf.num_hidden_layers * self.block_size * token_bytes
+        block_bytes = self.block_size * bytes_per_token(hf.num_hidden_layers, self.num_kv_heads, self.head_dim,
+                                                        cache_dtype)
         if self.config.num_kvcache_blocks > 0:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":

@@ -31,6 +31,13 @@ FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
 FP8_MIN_AMAX = tl.constexpr(1e-12)  # an all-zero head still gets a positive scale
 
 
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """What one token takes in the caches: its K and V heads in every layer, and with an fp8 cache their
+    float32 scales."""
+    scale_bytes = 4 if dtype == torch.float8_e4m3fn else 0
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype.itemsize + scale_bytes)
+
+
 @triton.jit
 def store_fp8_scale(amax, scale_ptr, slot, head, NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr, mask=None):
     """The fp8 scale of head(s) `head` of the token(s) in cache slot(s) `slot`, whose largest |element| is
