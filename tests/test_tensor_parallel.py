@@ -26,11 +26,13 @@ from tests.test_generate import GREEDY, PreemptionCounter
 pytestmark = pytest.mark.cpu_suite  # tensor parallel over gloo on the CPU, exact against transformers (see conftest)
 
 
-def test_tp2_matches_transformers_with_chunking_preemption_and_prefix_hits(tiny_model, prompts, hf_reference):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tp2_matches_transformers_with_chunking_preemption_and_prefix_hits(tiny_model, prompts, hf_reference, backend):
     # 8 blocks of 16 tokens hold at most two requests: preemption; a 20-token budget chunks prompts;
-    # the second pass over the same prompts hits the prefix cache.
+    # the second pass over the same prompts hits the prefix cache. "triton" runs the project's kernels (under
+    # the interpreter, in every rank) on each rank's share of the heads: 2 query heads and 1 KV head here.
     with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=8,
-             max_num_batched_tokens=20) as llm:
+             max_num_batched_tokens=20, attention_backend=backend) as llm:
         counter = PreemptionCounter(llm.scheduler)
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         second = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
