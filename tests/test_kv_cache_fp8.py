@@ -95,6 +95,19 @@ def test_fp8_cache_is_attention_over_the_rounded_kv(runs):
             assert max(abs(a[t] - b[t]) for t in a) < 1e-5
 
 
+
+@pytest.mark.cpu_suite  # tensor parallel over gloo
+def test_fp8_cache_at_tp2_gives_tp1_tokens(tiny_model, prompts, runs):
+    """Each rank quantizes only its own KV head (a scale per token and KV head), so splitting the heads over
+    two ranks changes no token, and the logprobs only by the all-reduce's float rounding."""
+    with LLM(tiny_model, kv_cache_dtype="fp8", tensor_parallel_size=2, **OPTIONS) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for tp2, tp1 in zip(outputs, runs["fp8"]):
+        assert tp2["token_ids"] == tp1["token_ids"]
+        for a, b in zip(tp2["logprobs"], tp1["logprobs"]):
+            assert a.keys() == b.keys()
+            assert max(abs(a[t] - b[t]) for t in a) < 1e-4  # 7e-6 measured
+
 def _first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
 
