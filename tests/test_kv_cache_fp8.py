@@ -95,7 +95,6 @@ def test_fp8_cache_is_attention_over_the_rounded_kv(runs):
             assert max(abs(a[t] - b[t]) for t in a) < 1e-5
 
 
-
 @pytest.mark.cpu_suite  # tensor parallel over gloo
 def test_fp8_cache_at_tp2_gives_tp1_tokens(tiny_model, prompts, runs):
     """Each rank quantizes only its own KV head (a scale per token and KV head), so splitting the heads over
@@ -107,6 +106,7 @@ def test_fp8_cache_at_tp2_gives_tp1_tokens(tiny_model, prompts, runs):
         for a, b in zip(tp2["logprobs"], tp1["logprobs"]):
             assert a.keys() == b.keys()
             assert max(abs(a[t] - b[t]) for t in a) < 1e-4  # 7e-6 measured
+
 
 def _first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
