@@ -27,12 +27,12 @@ from random import randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.cuda_graph import DecodeGraphs
-from nanovllm.engine.model_runner import ModelRunner, PendingOutput
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.kernels.device import pdl_enabled
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.utils.device import pdl_enabled
+from nanovllm.runner.cuda_graph import DecodeGraphs
+from nanovllm.runner.model_runner import ModelRunner, PendingOutput
+from nanovllm.runner.step_inputs import StepInputs
 from nanovllm.utils.tiny_model import LLAMA_3_2_1B, QWEN2_5_0_5B, QWEN3_0_6B, QWEN3_8B, write_benchmark_checkpoint
 
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
@@ -344,10 +344,10 @@ def bench_mixed_sampling(vocab_size: int = QWEN3_0_6B["vocab_size"], num_rows: i
     temperature only and every control. As the engine samples: the general path replayed from CUDA
     graphs (SamplerGraphs), and for comparison eagerly. Contexts are half prompt, half output,
     `context` tokens long."""
-    from nanovllm.engine.cuda_graph import SamplerGraphs
-    from nanovllm.engine.sampling_metadata import build_sampling_metadata
     from nanovllm.engine.sequence import Sequence
-    from nanovllm.layers.sampler import Sampler
+    from nanovllm.sampling.graphs import SamplerGraphs
+    from nanovllm.sampling.metadata import build_sampling_metadata
+    from nanovllm.sampling.sampler import Sampler
 
     device = torch.device(device)
     to_device = (lambda a: torch.from_numpy(a).pin_memory().to(device, non_blocking=True)) if device.type == "cuda" \

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 from gpu_timing import bench, copy_bandwidth, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.layers import skinny_gemm as sg
+from nanovllm.kernels.gemm import skinny as sg
 from nanovllm.layers.activation import silu_and_mul_triton
 from nanovllm.layers.layernorm import RMSNorm
 

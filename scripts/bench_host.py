@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from nanovllm.engine.sampling_metadata import build_sampling_metadata
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.runner.step_inputs import StepInputs
+from nanovllm.sampling.metadata import build_sampling_metadata
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tiny_model import QWEN3_0_6B
 

@@ -27,7 +27,7 @@ import torch
 
 from bench import resolve_model  # bench.py at the repository root
 from nanovllm import LLM
-from nanovllm.layers import triton_decode
+from nanovllm.kernels.attention import decode as triton_decode
 from nanovllm.layers.attention import AttentionMetadata
 
 

@@ -23,10 +23,11 @@ import triton
 import triton.language as tl
 from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.layers import skinny_gemm as sg
+from nanovllm.kernels.device import num_sms, prefetch_to_l2
+from nanovllm.kernels.gemm import skinny as sg
+from nanovllm.kernels.gemm.skinny import silu_and_mul_as_torch
+from nanovllm.kernels.gemm.split_k import load_split_sum
 from nanovllm.layers.layernorm import rms_norm_triton, weighted_as_torch
-from nanovllm.layers.skinny_gemm import load_split_sum, silu_and_mul_as_torch
-from nanovllm.utils.device import num_sms, prefetch_to_l2
 
 DTYPE = torch.bfloat16
 DEV = "cuda"

@@ -18,7 +18,7 @@ import functools
 import torch
 from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.layers.qk_norm_rope import MANY_TOKENS, V_STORE_TILE, qk_norm_rope
+from nanovllm.kernels.qk_norm_rope import MANY_TOKENS, V_STORE_TILE, qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
 
 H, KVH, D, PAGE, BLOCKS = 16, 8, 128, 256, 4096  # 16,384 tokens from block 7 fit

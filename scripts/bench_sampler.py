@@ -13,7 +13,7 @@ import functools
 import torch
 from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.layers.sampler import sample_triton
+from nanovllm.sampling.sampler import sample_triton
 
 VOCAB = 151936
 CHUNKS = (1, 2, 4, 8, 16)

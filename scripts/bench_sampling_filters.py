@@ -10,7 +10,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nanovllm.layers import sampling_filters
+from nanovllm.sampling import filters as sampling_filters
 
 
 def thresholds(logits, temperatures, top_k, top_p):

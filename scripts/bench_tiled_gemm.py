@@ -23,11 +23,11 @@ import triton
 from bench_gemm import SHAPES  # scripts/bench_gemm.py
 from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
+from nanovllm.kernels.gemm.split_k import summed
+from nanovllm.kernels.gemm.tiled import TileConfig, config_for_tiles, tile_config, tiled_linear
+from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.layers.activation import silu_and_mul_triton
 from nanovllm.layers.layernorm import rms_norm_triton
-from nanovllm.layers.qk_norm_rope import qk_norm_rope
-from nanovllm.layers.skinny_gemm import summed
-from nanovllm.layers.tiled_gemm import TileConfig, config_for_tiles, tile_config, tiled_linear
 
 DTYPE = torch.bfloat16
 PROJECTIONS = {layer: (N, K) for model, layer, N, K in SHAPES if model == "0.6B"}

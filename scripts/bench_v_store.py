@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from gpu_timing import bench, emit, save_report  # scripts/gpu_timing.py
 
-from nanovllm.utils.device import prefetch_to_l2
+from nanovllm.kernels.device import prefetch_to_l2
 
 KVH, D, PAGE = 8, 128, 256
 POOL_BLOCKS = 4096  # 4,096 blocks x 8 heads x 128 x 256 bytes = 1 GiB per cache

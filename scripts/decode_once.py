@@ -9,7 +9,7 @@ import argparse
 import torch
 from bench_attention import KVH, PAGE, SCALE, Cache, decode_inputs  # scripts/bench_attention.py
 
-from nanovllm.layers import triton_decode
+from nanovllm.kernels.attention import decode as triton_decode
 
 
 def main():

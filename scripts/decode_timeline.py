@@ -41,7 +41,7 @@ from gpu_timing import emit, save_report  # scripts/gpu_timing.py
 from bench import resolve_model  # bench.py at the repository root
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import head_dim as config_head_dim
-from nanovllm.layers import triton_decode
+from nanovllm.kernels.attention import decode as triton_decode
 
 FIELDS = ("start", "wait", "q", "loop", "end", "smid", "seq", "split", "kv_head", "ctx", "merged")
 WIDTH = 16  # int64 slots a program's record takes

@@ -52,7 +52,7 @@ def run_variant(model: str, name: str):
 
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine.llm_engine import LLMEngine
-    from nanovllm.engine.shm_channel import WorkerDiedError
+    from nanovllm.runner.shm_channel import WorkerDiedError
 
     timed_abort(name)
     options = VARIANTS[name][1]

@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.model_runner import ModelRunner, PendingOutput, free_port, run_worker
 from nanovllm.engine.requests import as_batch, check_request, eos_token_ids, request_output
 from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.shm_channel import ShmChannel, WorkerDiedError
+from nanovllm.runner.model_runner import ModelRunner, PendingOutput, free_port, run_worker
+from nanovllm.runner.shm_channel import ShmChannel, WorkerDiedError
 from nanovllm.sampling_params import SamplingParams
 
 # How long LLMEngine.exit waits for NCCL to abort the collectives a dead worker left pending.

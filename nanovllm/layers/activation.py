@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.layers.skinny_gemm import silu_and_mul_as_torch
-from nanovllm.utils.device import pdl_enabled
+from nanovllm.kernels.device import pdl_enabled
+from nanovllm.kernels.gemm.skinny import silu_and_mul_as_torch
 
 
 @triton.jit

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers.kv_cache import store_kvcache_torch, store_kvcache_triton, v_token_major
-from nanovllm.layers.qk_norm_rope import NormRopeInputs
-from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum
-from nanovllm.layers.split_softmax import SplitSoftmax
+from nanovllm.kernels.attention.kv_cache import store_kvcache_torch, store_kvcache_triton, v_token_major
+from nanovllm.kernels.attention.split_softmax import SplitSoftmax
+from nanovllm.kernels.gemm.skinny import SKINNY_MAX_ROWS
+from nanovllm.kernels.gemm.split_k import SplitKSum
+from nanovllm.kernels.qk_norm_rope import NormRopeInputs
 
 # Prefill over an fp8 prefix dequantizes it when there are at least this many queries per context token
 # (dequantizing_pays).
@@ -135,8 +136,8 @@ def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
 def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                      k_scale=None, v_scale=None, v_staged: bool = False) -> torch.Tensor:
-    from nanovllm.layers.triton_decode import paged_decode_attention
-    from nanovllm.layers.triton_prefill import (
+    from nanovllm.kernels.attention.decode import paged_decode_attention
+    from nanovllm.kernels.attention.prefill import (
         dequantized_prefill_attention,
         paged_prefill_attention,
         varlen_prefill_attention,
@@ -192,7 +193,7 @@ class Attention(nn.Module):
         decode kernel computes q as qk_norm_rope would and stores the new K/V itself
         (triton_decode.paged_decode_attention's from_qkv). Where its splits would need a merge kernel, their
         partials instead (a SplitSoftmax), which o_proj's skinny GEMM merges as it loads them."""
-        from nanovllm.layers.triton_decode import paged_decode_attention
+        from nanovllm.kernels.attention.decode import paged_decode_attention
 
         out = paged_decode_attention(None, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                      self.scale, k_scale=self.k_scale, v_scale=self.v_scale,

@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from nanovllm.kernels.device import pdl_enabled
 from nanovllm.layers.linear import _copy_checked, tp_rank_and_size
-from nanovllm.utils.device import pdl_enabled
 
 
 @triton.jit

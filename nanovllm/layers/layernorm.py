@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.layers.skinny_gemm import SplitKSum, load_split_sum, on_kernel_path, split_operand, summed
-from nanovllm.utils.device import pdl_enabled
+from nanovllm.kernels.device import pdl_enabled
+from nanovllm.kernels.gemm.split_k import SplitKSum, load_split_sum, on_kernel_path, split_operand, summed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.skinny_gemm import SKINNY_MAX_ROWS, SplitKSum, SwiGLUSplitKSum, skinny_linear
-from nanovllm.layers.split_softmax import SplitSoftmax
-from nanovllm.layers.tiled_gemm import tiled_applies, tiled_linear
+from nanovllm.kernels.attention.split_softmax import SplitSoftmax
+from nanovllm.kernels.gemm.skinny import SKINNY_MAX_ROWS, skinny_linear
+from nanovllm.kernels.gemm.split_k import SplitKSum, SwiGLUSplitKSum
+from nanovllm.kernels.gemm.tiled import tiled_applies, tiled_linear
 
 
 def tp_rank_and_size() -> tuple[int, int]:

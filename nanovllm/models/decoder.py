@@ -8,14 +8,15 @@ import torch
 from torch import nn
 
 from nanovllm.config import head_dim
+from nanovllm.kernels.gemm.skinny import skinny_swiglu
+from nanovllm.kernels.gemm.split_k import SplitKSum
+from nanovllm.kernels.qk_norm_rope import V_STORE_TILE, NormRopeInputs, qk_norm_rope
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, skinny_applies
-from nanovllm.layers.qk_norm_rope import V_STORE_TILE, NormRopeInputs, qk_norm_rope
 from nanovllm.layers.rotary_embedding import get_rope
-from nanovllm.layers.skinny_gemm import SplitKSum, skinny_swiglu
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,57 @@
+"""scripts/workload_floor.py: the least time bench.py's workload could take, by phase (no GPU)."""
+
+import numpy as np
+import pytest
+
+from tools.workload_floor import (
+    LAYER_PARAMS,
+    LAYERS,
+    LM_HEAD_PARAMS,
+    WEIGHT_BYTES,
+    floor_by_phase,
+    kv_bytes_per_key,
+    workload_lengths,
+)
+
+
+def test_qwen3_0_6b_sizes():
+    assert LAYERS * LAYER_PARAMS == 440_401_920  # Qwen3-0.6B's published 0.44B non-embedding parameters, less norms
+    assert WEIGHT_BYTES == 2 * (440_401_920 + 151_936 * 1_024)  # and the tied embedding as lm_head
+    # 28 layers x K and V x 8 kv heads x 128 dims, bf16; fp8 adds a float32 scale a head (kv_cache.py)
+    assert kv_bytes_per_key("bf16") == 28 * 2 * 8 * 128 * 2
+    assert kv_bytes_per_key("fp8") == 28 * 2 * 8 * (128 + 4)
+
+
+def test_two_requests_by_hand():
+    bandwidth, flop_rate = 1e12, 1e14
+    phases = floor_by_phase(np.array([10, 20]), np.array([3, 1]), bandwidth, flop_rate)
+    # Request 1 decodes twice (its first token came from the prefill) at contexts of 11 and 12 keys; request 2,
+    # with one output token, never decodes. Each step reads the weights (longer than one row's FLOPs here).
+    weights = WEIGHT_BYTES / bandwidth
+    assert weights > 2 * (LAYERS * LAYER_PARAMS + LM_HEAD_PARAMS) / flop_rate
+    steps, bf16, fp8 = phases["decode, batch 1-16"]
+    assert steps == 2
+    assert bf16 == pytest.approx(23 * kv_bytes_per_key("bf16") / bandwidth + 2 * weights)
+    assert fp8 == pytest.approx(23 * kv_bytes_per_key("fp8") / bandwidth + 2 * weights)
+    attention = LAYERS * 4 * 16 * 128 * (10 * 11 // 2 + 20 * 21 // 2)  # causal: a query attends to itself and before
+    prefill = 2 * (LAYERS * LAYER_PARAMS * 30 + LM_HEAD_PARAMS * 2) + attention
+    assert phases["prefill"] == [0, pytest.approx(prefill / flop_rate), pytest.approx(prefill / flop_rate)]
+    assert set(phases) == {"prefill", "decode, batch 1-16"}
+
+
+def test_a_full_batch_is_bound_by_its_flops():
+    bandwidth, flop_rate = 1e12, 1e14
+    steps, bf16, _ = floor_by_phase(np.full(256, 1), np.full(256, 2), bandwidth, flop_rate)["decode, batch 129-256"]
+    flops = 256 * 2 * (LAYERS * LAYER_PARAMS + LM_HEAD_PARAMS) / flop_rate
+    assert steps == 1 and flops > WEIGHT_BYTES / bandwidth
+    assert bf16 == pytest.approx(256 * 2 * kv_bytes_per_key("bf16") / bandwidth + flops)
+
+
+def test_bench_workload_steps_are_the_engines():
+    # `bench.py --kv-cache-dtype fp8 --breakdown` counted these decode steps on the H200 (BENCHMARKS.md, 46th session)
+    prompt_lens, output_lens = workload_lengths()
+    phases = floor_by_phase(prompt_lens, output_lens, 4.3e12, 790e12)
+    assert {phase: entry[0] for phase, entry in phases.items() if phase != "prefill"} == {
+        "decode, batch 129-256": 497, "decode, batch 65-128": 253, "decode, batch 17-64": 219,
+        "decode, batch 1-16": 54}
+    assert output_lens.sum() == 133_966
