@@ -1,8 +1,6 @@
-"""Generate text with nanovllm.
+"""Answer two chat questions with nanovllm.
 
-    python example.py                      # ~/huggingface/Qwen3-0.6B if present, else a tiny random model
-    python example.py --model /path/to/Qwen3-0.6B
-"""
+    python example.py [--model DIR]   # ~/huggingface/Qwen3-0.6B, else a tiny random model"""
 
 import argparse
 import os
@@ -16,7 +14,8 @@ DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 
 def main():
     parser = argparse.ArgumentParser(description="Answer a few chat questions.")
-    parser.add_argument("--model", default=None, help=f"checkpoint directory (default {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=None,
+                        help=f"checkpoint directory (default {DEFAULT_MODEL})")
     args = parser.parse_args()
 
     model = args.model or (DEFAULT_MODEL if os.path.isdir(DEFAULT_MODEL) else None)
@@ -25,7 +24,8 @@ def main():
         if not os.path.isfile(os.path.join(model, "config.json")):
             write_tiny_qwen3(model)
         print(f"No checkpoint at {DEFAULT_MODEL}: using a tiny RANDOM Qwen3 in {model}.\n"
-              "Its text is meaningless; it only shows the engine working. Pass --model for real output.\n")
+              "Its text is meaningless; it only shows the engine working. "
+              "Pass --model for real output.\n")
 
     questions = ["introduce yourself", "list all prime numbers within 100"]
     with LLM(model) as llm:
@@ -33,6 +33,7 @@ def main():
                            SamplingParams(temperature=0.6, max_tokens=256))
     for question, output in zip(questions, outputs):
         print(f"\nQuestion: {question!r}\nAnswer ({output['finish_reason']}): {output['text']!r}")
+
 
 if __name__ == "__main__":
     main()

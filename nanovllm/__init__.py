@@ -1,4 +1,4 @@
-"""nanovllm: a small offline-inference engine. `from nanovllm import LLM, SamplingParams`."""
+"""nanovllm, a small offline LLM engine. `LLM` loads lazily: it pulls in torch and transformers."""
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -6,7 +6,6 @@ __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and transformers; importing it lazily keeps `import nanovllm.engine.scheduler` light.
     if name == "LLM":
         from nanovllm.llm import LLM
 

@@ -1,20 +1,17 @@
-"""Engine options: what the user passed, validated, plus the checkpoint's config.
-
-Facts discovered at start-up (the KV pool size, EOS ids) are not stored here; they live on the
-objects that discover them (ModelRunner, LLMEngine).
-"""
+"""Engine options: what the user passed, validated, plus the checkpoint's config."""
 
 import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")  # = nanovllm.models.MODELS
+# The keys of nanovllm.models.MODELS.
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto = the model dtype; fp8 = e4m3 with a scale per token and kv head
+KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: e4m3 with a scale per token and kv head
 
 
 @dataclass
@@ -52,19 +49,21 @@ class Config:
 
     def _check_types(self):
         if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(f"model must be a path to a checkpoint directory, got {type(self.model).__name__}")
+            raise TypeError("model must be a path to a checkpoint directory, "
+                            f"got {type(self.model).__name__}")
         self.model = os.path.expanduser(os.fspath(self.model))
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                     "kvcache_block_size", "num_kvcache_blocks"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                     "tensor_parallel_size", "kvcache_block_size", "num_kvcache_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {value!r}")
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(
-                self.gpu_memory_utilization, bool):
-            raise TypeError(f"gpu_memory_utilization must be a float, got {self.gpu_memory_utilization!r}")
+        utilization = self.gpu_memory_utilization
+        if not isinstance(utilization, (int, float)) or isinstance(utilization, bool):
+            raise TypeError(f"gpu_memory_utilization must be a float, got {utilization!r}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
+        for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
+                              ("attention_backend", ATTENTION_BACKENDS),
                               ("kv_cache_dtype", KV_CACHE_DTYPES)):
             value = getattr(self, name)
             if value not in allowed:
@@ -73,23 +72,27 @@ class Config:
     def _check_ranges(self):
         hf = self.hf_config
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError("max_num_batched_tokens must be >= 1, "
+                             f"got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         bs = self.kvcache_block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two, got {bs}")
         if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
-            raise ValueError(f"num_kvcache_blocks must be -1 (auto) or a positive int, got {self.num_kvcache_blocks}")
+            raise ValueError("num_kvcache_blocks must be -1 (auto) or a positive int, "
+                             f"got {self.num_kvcache_blocks}")
         tp = self.tensor_parallel_size
         if not 1 <= tp <= 8:
             raise ValueError(f"tensor_parallel_size must be in 1..8, got {tp}")
         for what, count in (("num_attention_heads", hf.num_attention_heads),
-                            ("num_key_value_heads", hf.num_key_value_heads), ("vocab_size", hf.vocab_size)):
+                            ("num_key_value_heads", hf.num_key_value_heads),
+                            ("vocab_size", hf.vocab_size)):
             if count % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {what}={count}")
 
@@ -105,13 +108,7 @@ class Config:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
                                  f"{torch.cuda.device_count()} visible GPU(s)")
         if self.dtype == "auto":
-            checkpoint_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
-            if self.device == "cpu":
-                self.dtype = "float32"
-            else:
-                self.dtype = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else "bfloat16"
-                if self.dtype == "float32":
-                    self.dtype = "bfloat16"
+            self.dtype = self._default_dtype()
         if self.attention_backend == "auto":
             if self.device == "cpu":
                 self.attention_backend = "torch"
@@ -119,19 +116,30 @@ class Config:
                 self.attention_backend = "triton"
             else:
                 self.attention_backend = _cuda_default_backend(head_dim(self.hf_config))
+        self._check_backend(torch)
+
+    def _default_dtype(self) -> str:
+        if self.device == "cpu":
+            return "float32"
+        hf = self.hf_config
+        checkpoint_dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+        dtype = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else "bfloat16"
+        return "bfloat16" if dtype == "float32" else dtype
+
+    def _check_backend(self, torch):
         if self.kv_cache_dtype == "fp8":
             if self.attention_backend == "flash_attn":
-                raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' (or 'torch'): "
-                                 "flash-attn cannot read an fp8 KV cache")
+                raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' "
+                                 "(or 'torch'): flash-attn cannot read an fp8 KV cache")
             if self.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-                raise ValueError(f"kv_cache_dtype='fp8' needs a GPU with fp8 support (compute capability >= 8.9), "
-                                 f"got {torch.cuda.get_device_capability()}")
+                raise ValueError("kv_cache_dtype='fp8' needs a GPU with fp8 support (compute "
+                                 f"capability >= 8.9), got {torch.cuda.get_device_capability()}")
         if self.attention_backend == "flash_attn":
             if self.device != "cuda":
                 raise ValueError("attention_backend='flash_attn' needs device='cuda'")
             if self.kvcache_block_size % 256:
-                raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple "
-                                 f"of 256, got {self.kvcache_block_size}")
+                raise ValueError("attention_backend='flash_attn' needs kvcache_block_size to be a "
+                                 f"multiple of 256, got {self.kvcache_block_size}")
 
     @property
     def torch_dtype(self):
@@ -147,9 +155,12 @@ class Config:
 
 
 def _cuda_default_backend(head_dim: int) -> str:
-    # The flash-attn wheel on the lent H200s is built for head_dim 128 only: other head sizes (e.g.
-    # Llama-3.2-1B's and Qwen2.5-0.5B's 64) go to the Triton kernels, which take any power of two.
-    if head_dim != 128:
+    import torch
+
+    # Hopper: our Triton kernels are the fastest backend (docs/kernels.md); others are unmeasured.
+    if torch.cuda.get_device_capability()[0] == 9:
+        return "triton"
+    if head_dim != 128:  # the flash-attn wheel is built for head_dim 128 only
         return "triton"
     try:
         import flash_attn  # noqa: F401
@@ -159,13 +170,16 @@ def _cuda_default_backend(head_dim: int) -> str:
 
 
 def head_dim(hf_config) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if getattr(hf_config, "head_dim", None):
+        return hf_config.head_dim
+    return hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def rope_parameters(hf_config) -> dict:
-    """The checkpoint's RoPE settings as one dict with `rope_type` and `rope_theta`: transformers >= 5
-    keeps them in `rope_parameters`, older versions in `rope_scaling` plus a top-level `rope_theta`."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    """The checkpoint's RoPE settings with `rope_type` and `rope_theta`, from `rope_parameters`
+    (transformers >= 5) or `rope_scaling` and a top-level `rope_theta`."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    params = dict(params or {})
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     return params
@@ -175,13 +189,15 @@ def _check_model_features(hf_config, path: str):
     """Reject what the shared decoder does not implement, rather than compute something else."""
     rope = rope_parameters(hf_config)
     if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type={rope['rope_type']!r} in {path!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(f"rope_type={rope['rope_type']!r} in {path!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} in {path!r} is not supported")
+        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} in {path!r} "
+                         "is not supported")
     activation = getattr(hf_config, "hidden_act", "silu")
     if activation != "silu":
-        raise ValueError(f"hidden_act={activation!r} in {path!r} is not supported; supported: 'silu'")
+        raise ValueError(f"hidden_act={activation!r} in {path!r} is not supported; "
+                         "supported: 'silu'")
     layer_types = getattr(hf_config, "layer_types", None)
     sliding = (any(t != "full_attention" for t in layer_types) if layer_types
                else getattr(hf_config, "use_sliding_window", False))

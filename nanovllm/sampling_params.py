@@ -9,21 +9,22 @@ MAX_LOGPROBS = 20
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p; 1 = off
-    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
-    min_p: float = 0.0  # drop tokens less likely than min_p * the top token's probability; 0 = off
-    seed: int | None = None  # draws keyed by (seed, token position): the same tokens in any batch
+    temperature: float = 1.0
+    top_p: float = 1.0  # the smallest set of tokens whose probability reaches top_p; 1 = off
+    top_k: int = 0  # the k most likely tokens; 0 or -1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the top token; 0 = off
+    seed: int | None = None  # draws keyed by (seed, token position): the same in any batch
     max_tokens: int = 64
     min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many tokens
     ignore_eos: bool = False
-    stop: str | list[str] | None = None  # stop strings, matched on the detokenized output
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or the output
-    presence_penalty: float = 0.0  # subtracted once from tokens present in the output
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
-    logprobs: int | None = None  # return the top-N log-probabilities (plus the sampled token's)
+    # subtracted from the logits of output tokens: once (presence), per occurrence (frequency)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # the top-N log-probabilities (plus the sampled token's)
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -41,21 +42,23 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.stop = _string_list(self.stop)
         self.stop_token_ids = _id_list(self.stop_token_ids)
-        _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0 (1 = off)")
-        _check_float("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
-        _check_float("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0,
+                     "> 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2]")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+            _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS,
+                       f"in [0, {MAX_LOGPROBS}]")
 
     @property
     def uses_only_temperature(self) -> bool:
-        """True when the one-pass temperature sampler is enough: no filter, penalty, logprobs or seed."""
         return (self.top_k in (0, -1) and self.top_p == 1 and self.min_p == 0 and self.seed is None
                 and self.logprobs is None and not self.uses_penalties)
 
     @property
     def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
 
 
 def _check_float(name: str, value, in_range: Callable[[float], bool], allowed: str):
@@ -65,8 +68,12 @@ def _check_float(name: str, value, in_range: Callable[[float], bool], allowed: s
         raise ValueError(f"{name} must be {allowed}, got {value}")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_int(name: str, value, in_range: Callable[[int], bool], allowed: str):
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not _is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if not in_range(value):
         raise ValueError(f"{name} must be {allowed}, got {value}")
@@ -87,7 +94,7 @@ def _string_list(stop) -> list[str]:
 def _id_list(ids) -> list[int]:
     if ids is None:
         return []
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
         raise TypeError(f"stop_token_ids must be a list of int, got {ids!r}")
     if any(i < 0 for i in ids):
         raise ValueError(f"stop_token_ids must be >= 0, got {ids!r}")

@@ -1,8 +1,7 @@
 """The paged KV-cache pool: block allocation, reference counts and prefix reuse.
 
-A full block is identified by a chained hash: xxhash64 over (previous block's hash, its token ids),
-so equal hashes mean equal prefixes. A block enters the hash table only once its KV has been
-computed (`register_computed_blocks`), never at allocation.
+A full block's hash chains the previous block's (xxhash64), so equal hashes mean equal prefixes;
+a block enters the hash table once its KV is computed, never at allocation.
 """
 
 from collections import OrderedDict
@@ -30,7 +29,7 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.hash = NO_HASH
-        self.prev_hash = NO_HASH  # the hash this block's was chained from: identifies its prefix
+        self.prev_hash = NO_HASH
         self.token_ids: list[int] = []
 
 
@@ -40,8 +39,7 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        # Free blocks in the order they will be handed out; freed blocks go to the back, so a
-        # recently freed block (whose hash may be revived) is reused last.
+        # Handed out from the front, freed to the back: a block just freed is reused last.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
@@ -53,26 +51,24 @@ class BlockManager:
         return len(self.free_block_ids)
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of `seq`, leaving its last block to compute.
-
-        At least one token is always computed, so a prompt whose length is an exact multiple of the
-        block size reuses at most `num_blocks - 1` leading blocks.
-        """
+        """Block ids of the longest cached prefix of `seq`, short of its last token."""
         hits = []
         prev = NO_HASH
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block_tokens(i)
             h = block_hash(tokens, prev)
             block_id = self.hash_to_block_id.get(h)
-            # A hash collision is refused: the block must hold these tokens after this very prefix.
-            if block_id is None or self.blocks[block_id].token_ids != tokens or self.blocks[block_id].prev_hash != prev:
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.prev_hash != prev:  # a hash collision
                 break
             hits.append(block_id)
             prev = h
         return hits
 
     def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
-        # Hits on free blocks (ref count 0) are revived out of the free list, so they cost a free block.
+        # A hit on a free block (ref count 0) is revived out of the free list: it costs one.
         hits_in_use = sum(1 for b in cached if self.blocks[b].ref_count > 0)
         return seq.num_blocks - hits_in_use <= self.num_free_blocks
 
@@ -90,7 +86,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def deallocate(self, seq: Sequence):
-        """Release `seq`'s blocks, last block first. Freed blocks keep their hash and tokens."""
+        """Release `seq`'s blocks, last first; they keep their hash until handed out again."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -100,21 +96,19 @@ class BlockManager:
         seq.num_cached_tokens = 0
 
     def can_append(self, seq: Sequence) -> bool:
-        """Whether the decode step of `seq` has a slot for its last token."""
         return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
 
     def may_append(self, seq: Sequence):
-        # The token appended last step starts a new block exactly when num_tokens % block_size == 1.
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block())
 
     def register_computed_blocks(self, seq: Sequence, num_cached_before: int):
-        """Hash the blocks of `seq` that became full and computed since `num_cached_before` tokens."""
+        """Hash the blocks of `seq` that became full and computed since `num_cached_before`."""
         first = num_cached_before // self.block_size
         last = seq.num_cached_tokens // self.block_size
         for i in range(first, last):
             block = self.blocks[seq.block_table[i]]
-            if block.hash != NO_HASH:  # reused from the cache: already registered
+            if block.hash != NO_HASH:  # a cache hit
                 continue
             block.prev_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else NO_HASH
             block.token_ids = seq.block_tokens(i)
@@ -122,8 +116,6 @@ class BlockManager:
             self.hash_to_block_id[block.hash] = block.block_id
 
     def reset_prefix_cache(self):
-        """Forget every cached prefix: no block answers a hash any more. Free blocks also drop their
-        hashes and tokens; blocks in use keep serving their sequences but are no longer shared."""
         self.hash_to_block_id.clear()
         for block_id in self.free_block_ids:
             block = self.blocks[block_id]
@@ -134,7 +126,6 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        # The block's old content is about to be overwritten: it no longer answers its hash.
         if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
         block.hash = block.prev_hash = NO_HASH
@@ -143,7 +134,7 @@ class BlockManager:
         return block_id
 
     def check_integrity(self, live_seqs: list[Sequence]):
-        """Raise AssertionError if the pool's bookkeeping is inconsistent with `live_seqs` (for tests)."""
+        """Assert the pool's bookkeeping agrees with `live_seqs` (for tests)."""
         holders = [0] * self.num_blocks
         for seq in live_seqs:
             for block_id in seq.block_table:

@@ -1,5 +1,4 @@
-"""Requests in and out: a batch of prompts checked before anything of it is queued, the EOS ids a model
-stops at, and a finished sequence's output as `generate` returns it."""
+"""Requests in and out: a batch checked before any of it is queued, EOS ids, and the outputs."""
 
 import json
 import os
@@ -10,10 +9,9 @@ from nanovllm.sampling_params import SamplingParams
 
 
 def as_batch(prompts, sampling_params) -> tuple[list, list]:
-    """(prompts, sampling params) as two lists of equal length: a single prompt (a str or one token-id list)
-    becomes a batch of one, and one SamplingParams serves every prompt. Raises TypeError / ValueError for
-    anything else."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    """Prompts and sampling params as two lists of equal length (one prompt or params for all)."""
+    one_prompt = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    if isinstance(prompts, str) or one_prompt:
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a str, a list of str, or a list of token-id lists, got "
@@ -33,18 +31,21 @@ def as_batch(prompts, sampling_params) -> tuple[list, list]:
 
 
 def check_request(index: int, tokens: list, params, vocab_size: int):
-    """Raises for request `index` of a batch (its prompt's token ids, its sampling params) what the engine
-    cannot take: params that are not a SamplingParams, an empty prompt, ids outside the vocabulary."""
+    """Raise for what the engine cannot take in request `index` of a batch."""
     if not isinstance(params, SamplingParams):
-        raise TypeError(f"sampling_params[{index}] is a {type(params).__name__}, not SamplingParams")
+        raise TypeError(f"sampling_params[{index}] is a {type(params).__name__}, "
+                        "not SamplingParams")
     if not tokens:
         raise ValueError(f"prompt {index} is empty")
-    bad = next((t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
+    bad = next((t for t in tokens if not isinstance(t, int) or isinstance(t, bool)
+                or not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt {index} has token id {bad!r} outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"prompt {index} has token id {bad!r} outside the vocabulary "
+                         f"[0, {vocab_size})")
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
-        raise ValueError(f"sampling_params[{index}].stop_token_ids has {bad} outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"sampling_params[{index}].stop_token_ids has {bad} outside the "
+                         f"vocabulary [0, {vocab_size})")
 
 
 def eos_token_ids(tokenizer, config: Config) -> set[int]:
@@ -67,16 +68,17 @@ def eos_token_ids(tokenizer, config: Config) -> set[int]:
 
 
 def request_output(seq: Sequence, tokenizer) -> dict:
-    """A finished sequence as `generate` returns it: text, token ids, finish and stop reasons (and the
-    logprobs it asked for)."""
+    """A finished sequence as `generate` returns it."""
     tokens = seq.completion_token_ids
     params = seq.sampling_params
     if seq.detokenizer is not None:
         text = seq.detokenizer.text
     else:  # as vLLM, without the text of the EOS or stop id that ended the sequence
-        shown = tokens[:-1] if seq.finish_reason == "stop" and not params.include_stop_str_in_output else tokens
+        hide_stop = seq.finish_reason == "stop" and not params.include_stop_str_in_output
+        shown = tokens[:-1] if hide_stop else tokens
         text = tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
-    output = {"text": text, "token_ids": tokens, "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
+    output = {"text": text, "token_ids": tokens, "finish_reason": seq.finish_reason,
+              "stop_reason": seq.stop_reason}
     if params.logprobs is not None:
         output["logprobs"] = seq.logprobs
         output["cumulative_logprob"] = seq.cumulative_logprob

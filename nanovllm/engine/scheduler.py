@@ -1,10 +1,7 @@
 """Decides which sequences run in each step: all prefill, or all decode. Plain Python over ints.
 
-A step goes through three calls: `schedule` picks it, `commit` records that it was launched (cached
-counts advance, a placeholder stands for each token it will sample), `postprocess` takes its sampled
-tokens. The engine commits step N + 1 before postprocessing step N, so scheduling counts in-flight
-tokens as if known: only their values come later.
-"""
+`schedule` picks a step, `commit` records its launch (a placeholder per token it will sample) and
+`postprocess` takes its tokens, after the next step's commit."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -18,8 +15,8 @@ class CommittedStep:
     seqs: list[Sequence]
     is_prefill: bool
     sampled: list[Sequence]  # the sequences that get a token from this step, in row order
-    num_cached_before: list[int]  # each sequence's num_cached_tokens when the step was scheduled
-    num_tokens: int  # tokens computed
+    num_cached_before: list[int]
+    num_tokens: int
 
 
 class Scheduler:
@@ -30,7 +27,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, block_size)
-        # A partially prefilled sequence stays at the head of `waiting` until its last chunk is scheduled.
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
 
@@ -41,20 +37,20 @@ class Scheduler:
         """Raise ValueError if a request of this size could never be scheduled."""
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt length {num_prompt_tokens} + max_tokens {max_tokens} = {total} exceeds "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(f"prompt length {num_prompt_tokens} + max_tokens {max_tokens} = "
+                             f"{total} exceeds max_model_len={self.max_model_len}")
         bm = self.block_manager
         # The last sampled token is never fed back, so its KV never needs a slot.
         blocks = (total - 1 + bm.block_size - 1) // bm.block_size
         if blocks > bm.num_blocks:
             raise ValueError(f"request needs {blocks} KV blocks of {bm.block_size} tokens (prompt "
-                             f"{num_prompt_tokens} + max_tokens {max_tokens}) but the pool has only {bm.num_blocks}")
+                             f"{num_prompt_tokens} + max_tokens {max_tokens}) but the pool has "
+                             f"only {bm.num_blocks}")
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick this step's sequences and set their `num_scheduled_tokens`. Returns (seqs, is_prefill)."""
         seqs = self._schedule_prefill()
         if seqs:
             return seqs, True
@@ -69,8 +65,9 @@ class Scheduler:
             if not seq.block_table:
                 cached = bm.cached_prefix(seq)
                 uncached = seq.num_tokens - len(cached) * bm.block_size
+                # Only the first may be chunked: one partly prefilled sequence, at waiting's head.
                 if scheduled and uncached > budget:
-                    break  # only the first sequence of a batch may be chunked
+                    break
                 if not bm.can_allocate(seq, cached):
                     break
                 bm.allocate(seq, cached)
@@ -79,23 +76,21 @@ class Scheduler:
             budget -= chunk
             scheduled.append(seq)
             if not seq.completes_prefill:
-                break  # chunked: it stays at the head of waiting for the next step
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return scheduled
 
     def _schedule_decode(self) -> list[Sequence]:
-        # A partially prefilled head of `waiting` always gets the next prefill step, so decode never
-        # runs beside one: preempted sequences can simply go to the head of `waiting`.
+        # A chunked prefill always runs next, so preempted sequences may go to waiting's head.
         assert not (self.waiting and self.waiting[0].block_table)
         scheduled: list[Sequence] = []
-        visited: list[Sequence] = []  # scheduled, or skipped because their last token is in flight
+        visited: list[Sequence] = []
         bm = self.block_manager
-        # Each decode token counts against the token budget too.
         while self.running and len(scheduled) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
-            if seq.num_completion_tokens >= seq.max_tokens:  # finishes when its in-flight tokens are back
+            if seq.num_completion_tokens >= seq.max_tokens:  # ends once its in-flight tokens return
                 visited.append(seq)
                 continue
             while not bm.can_append(seq):
@@ -119,10 +114,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def commit(self, seqs: list[Sequence], is_prefill: bool) -> CommittedStep:
-        """The scheduled step has been launched: its chunks count as cached from now on (the GPU
-        computes them in launch order), and each sequence it samples for holds a placeholder."""
-        step = CommittedStep(seqs, is_prefill, [seq for seq in seqs if seq.completes_prefill],
-                             [seq.num_cached_tokens for seq in seqs], sum(seq.num_scheduled_tokens for seq in seqs))
+        sampled = [seq for seq in seqs if seq.completes_prefill]
+        step = CommittedStep(seqs, is_prefill, sampled, [seq.num_cached_tokens for seq in seqs],
+                             sum(seq.num_scheduled_tokens for seq in seqs))
         for seq in seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
@@ -131,18 +125,13 @@ class Scheduler:
         return step
 
     def postprocess(self, step: CommittedStep, token_ids: list[int]) -> list[Sequence]:
-        """Take a committed step's sampled tokens (one per `step.sampled`, in order): resolve the
-        placeholders, hash the blocks it completed, finish sequences. Returns those that finished.
-
-        A sequence that finished or was preempted after this step was launched ignores it: its
-        token is dropped, or (preempted) kept for the re-prefill, but its freed blocks are not hashed.
-        """
+        """Resolve a step's placeholders with its tokens (one per `step.sampled`), hash the blocks
+        it completed and finish sequences; returns those that finished."""
         finished = []
         for seq, token_id in zip(step.sampled, token_ids, strict=True):
             if seq.is_finished:
                 continue
             seq.resolve_token(token_id)
-            # EOS and stop ids end a sequence only after min_tokens tokens (the sampler holds them back).
             num_generated = seq.num_output_tokens
             may_stop = num_generated > seq.min_tokens
             if may_stop and not seq.ignore_eos and token_id in self.eos_token_ids:
@@ -154,17 +143,15 @@ class Scheduler:
             else:
                 continue
             finished.append(seq)
-        # After resolving: a block the next (already launched) step completes may end with this
-        # step's token. Every token below num_cached_tokens is known now.
+        # Only now is every token below num_cached_tokens known (the next step's blocks included).
         for seq, before in zip(step.seqs, step.num_cached_before):
             if seq.block_table and not seq.is_finished:
                 self.block_manager.register_computed_blocks(seq, before)
         return finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
-        """End `seq` now, running or waiting (a stop token or string, or the caller gave up on it):
-        free its blocks and drop it from the queues."""
-        queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting  # status names its queue
+        """End `seq`, running or waiting: free its blocks and drop it from its queue."""
+        queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.drop_inflight()

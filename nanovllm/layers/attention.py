@@ -1,12 +1,4 @@
-"""Paged attention: the per-step metadata and the backends behind one interface (the KV cache's layout
-and stores: kv_cache.py).
-
-A step first writes its new K/V into the cache (the Attention layer's store, kv_cache.py, or on CUDA the
-model's fused q/k norm + RoPE kernel, qk_norm_rope.py, or in a Triton decode of a few rows the decode kernel,
-from the qkv projection: Attention.decode_from_qkv), then attends over the cache (or, for prefill
-without a cached prefix, over the new K/V; for prefill over an fp8 prefix with enough new tokens, over a
-16-bit copy of the contexts: dequantizing_pays).
-"""
+"""Paged attention: the per-step metadata and the attention backends behind one interface."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,74 +6,62 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.kernels.attention.kv_cache import store_kvcache_torch, store_kvcache_triton, v_token_major
+from nanovllm.kernels.attention.kv_cache import (
+    store_kvcache_torch,
+    store_kvcache_triton,
+    v_token_major,
+)
 from nanovllm.kernels.attention.split_softmax import SplitSoftmax
 from nanovllm.kernels.gemm.skinny import SKINNY_MAX_ROWS
 from nanovllm.kernels.gemm.split_k import SplitKSum
 from nanovllm.kernels.qk_norm_rope import NormRopeInputs
 
-# Prefill over an fp8 prefix dequantizes it when there are at least this many queries per context token
-# (dequantizing_pays).
 DEQUANT_MIN_QUERIES = 128
-SeqGroup = tuple[int, int, int, int]  # (first, end, max_seqlen_q, max_seqlen_k) of sequences first..end-1
+SeqGroup = tuple[int, int, int, int]  # first, end, max_seqlen_q, max_seqlen_k of seqs first..end-1
 
 
 @dataclass
 class AttentionMetadata:
-    """What attention needs to know about one step; built by the ModelRunner, passed down the forward."""
-
     is_prefill: bool
-    slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each computed token; -1 = write nothing
-    context_lens: torch.Tensor  # [num_seqs] int32 keys each sequence attends to (cached + this step)
+    slot_mapping: torch.Tensor  # [num_tokens] int64 cache slots; -1: write nothing
+    context_lens: torch.Tensor  # [num_seqs] int32 keys each sequence attends to
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32, prefill only
-    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32, prefill only
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32, prefill
+    cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     prefix_cached: bool = False  # some sequence attends to KV computed in an earlier step
-    # Decode on the Triton backend: [num_seqs] int32, the rows longest context first, the order in which the
-    # decode kernel takes them up (a ragged batch then does not end on a few long rows).
-    decode_order: torch.Tensor | None = None
-    # Prefill over an fp8 cache's prefix (Triton backend, triton_prefill): [2, capacity, kv_heads, head_dim]
-    # in the model dtype, and the runs of sequences whose contexts it holds at once (workspace_groups).
+    decode_order: torch.Tensor | None = None  # [num_seqs] int32, Triton decode: longest first
+    # Triton prefill over an fp8 prefix: [2, capacity, kv_heads, head_dim], and workspace_groups
     dequant_workspace: torch.Tensor | None = None
     dequant_groups: list[SeqGroup] | None = None
 
 
 def dequantizing_pays(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> bool:
-    """Whether a prefill step over an fp8 prefix should go through the dequantization workspace
-    (triton_prefill.dequantized_prefill_attention). Dequantizing costs a pass over every context token;
-    the 16-bit kernel then saves time per (query, key) pair. So the measure is the step's queries per
-    context token, sum_b n_q_b * ctx_b / sum_b ctx_b, against DEQUANT_MIN_QUERIES. H200, Qwen3-0.6B heads,
-    ~1,000-2,000-token contexts (BENCHMARKS.md, ninth session, call 3), dequantizing + the 16-bit kernel
-    against the fp8 kernel: 0.48x its time at 512 queries a sequence, 0.70x at 128, 0.99x at 64, 1.88x
-    at 16. Since the fp8 kernel's 64-row tiles multiply q k^T in fp8 (twelfth session, call 3): 0.79x at
-    512, 1.05x at 128, 1.46x at 64. The threshold stays: at 128 the two are within 5%, and this path
-    keeps q in 16 bits."""
+    """Whether prefill over an fp8 prefix dequantizes it: from DEQUANT_MIN_QUERIES queries a key."""
     pairs = sum((cu_seqlens_q[b + 1] - cu_seqlens_q[b]) * (cu_seqlens_k[b + 1] - cu_seqlens_k[b])
                 for b in range(len(cu_seqlens_k) - 1))
     return pairs >= DEQUANT_MIN_QUERIES * cu_seqlens_k[-1]
 
 
-def workspace_groups(cu_seqlens_q: list[int], cu_seqlens_k: list[int], capacity: int) -> list[SeqGroup]:
-    """Split a prefill batch into runs of consecutive sequences whose contexts fit `capacity` tokens
-    together: (first, end, max_seqlen_q, max_seqlen_k) per run of sequences first..end-1. A context
-    longer than capacity is an error (the workspace holds max_model_len tokens)."""
+def workspace_groups(cu_seqlens_q: list[int], cu_seqlens_k: list[int],
+                     capacity: int) -> list[SeqGroup]:
+    """The runs of consecutive sequences whose contexts fit `capacity` tokens together."""
     groups, first = [], 0
     num_seqs = len(cu_seqlens_k) - 1
     for end in range(1, num_seqs + 1):
         if cu_seqlens_k[end] - cu_seqlens_k[end - 1] > capacity:
-            raise ValueError(f"context of {cu_seqlens_k[end] - cu_seqlens_k[end - 1]} tokens exceeds the "
-                             f"dequantization workspace of {capacity}")
+            raise ValueError(f"context of {cu_seqlens_k[end] - cu_seqlens_k[end - 1]} tokens "
+                             f"exceeds the dequantization workspace of {capacity}")
         if end == num_seqs or cu_seqlens_k[end + 1] - cu_seqlens_k[first] > capacity:
-            groups.append((first, end, max(cu_seqlens_q[b + 1] - cu_seqlens_q[b] for b in range(first, end)),
-                           max(cu_seqlens_k[b + 1] - cu_seqlens_k[b] for b in range(first, end))))
+            seqs = range(first, end)
+            groups.append((first, end, max(cu_seqlens_q[b + 1] - cu_seqlens_q[b] for b in seqs),
+                           max(cu_seqlens_k[b + 1] - cu_seqlens_k[b] for b in seqs)))
             first = end
     return groups
 
 
 def _gather(cache, scales, blocks, num_keys) -> torch.Tensor:
-    """The first num_keys tokens of the cache blocks `blocks`, float32 (dequantized if fp8): [keys, kv_heads, dim]."""
     x = cache[blocks].flatten(0, 1)[:num_keys].float()
     if scales is not None:
         x *= scales[blocks].transpose(1, 2).flatten(0, 1)[:num_keys, :, None]
@@ -90,8 +70,7 @@ def _gather(cache, scales, blocks, num_keys) -> torch.Tensor:
 
 def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                     k_scale=None, v_scale=None) -> torch.Tensor:
-    """Reference: per sequence, gather its keys through the block table (prefill without a cached prefix:
-    its new k, v, as the other backends); causal softmax; GQA by repeat."""
+    """Reference: per sequence, its keys gathered through the block table; causal softmax."""
     num_seqs = meta.context_lens.numel()
     if meta.is_prefill:
         query_starts = meta.cu_seqlens_q.tolist()
@@ -108,9 +87,8 @@ def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
             blocks = meta.block_tables[i, :(num_keys + block_size - 1) // block_size].long()
             keys = _gather(k_cache, k_scale, blocks, num_keys)
             values = _gather(v_token_major(v_cache), v_scale, blocks, num_keys)
-        keys, values = (x.repeat_interleave(group, dim=1) for x in (keys, values))  # [keys, heads, dim]
+        keys, values = (x.repeat_interleave(group, dim=1) for x in (keys, values))
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
-        # Query j sits at position num_keys - num_queries + j and sees keys up to that position.
         query_pos = torch.arange(num_keys - (end - start), num_keys, device=q.device)
         mask = torch.arange(num_keys, device=q.device)[None, :] > query_pos[:, None]
         probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
@@ -124,18 +102,22 @@ def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
     assert k_scale is None, "flash-attn cannot read an fp8 cache (Config rejects it)"
     if not meta.is_prefill:
-        return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                       block_table=meta.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+        out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
+                                      cache_seqlens=meta.context_lens,
+                                      block_table=meta.block_tables, softmax_scale=scale,
+                                      causal=True)
+        return out.squeeze(1)
     block_table = None
-    if meta.prefix_cached:  # read the whole context, cached prefix included, from the paged cache
+    if meta.prefix_cached:
         k, v, block_table = k_cache, v_cache, meta.block_tables
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-                                  max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                                  softmax_scale=scale, causal=True, block_table=block_table)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q=meta.cu_seqlens_q,
+                                  cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_seqlen_q,
+                                  max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True,
+                                  block_table=block_table)
 
 
 def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                     k_scale=None, v_scale=None, v_staged: bool = False) -> torch.Tensor:
+                     k_scale=None, v_scale=None) -> torch.Tensor:
     from nanovllm.kernels.attention.decode import paged_decode_attention
     from nanovllm.kernels.attention.prefill import (
         dequantized_prefill_attention,
@@ -144,24 +126,28 @@ def triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: 
     )
 
     if not meta.is_prefill:
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                      k_scale=k_scale, v_scale=v_scale, order=meta.decode_order,
-                                      staged_v=(v, meta.slot_mapping) if v_staged else None)
-    if not meta.prefix_cached:  # over the new K/V, as flash-attn; an fp8 cache's rounding then touches decode only
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                      scale, k_scale=k_scale, v_scale=v_scale,
+                                      order=meta.decode_order)
+    if not meta.prefix_cached:  # as flash-attn: an fp8 cache's rounding touches decode only
         return varlen_prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)
-    if meta.dequant_groups:  # fp8 prefix: dequantized, so the faster 16-bit kernel attends
-        return dequantized_prefill_attention(q, k_cache, v_cache, k_scale, v_scale, meta.block_tables,
-                                             meta.cu_seqlens_q, meta.cu_seqlens_k, meta.dequant_groups, scale,
+    if meta.dequant_groups:
+        return dequantized_prefill_attention(q, k_cache, v_cache, k_scale, v_scale,
+                                             meta.block_tables, meta.cu_seqlens_q,
+                                             meta.cu_seqlens_k, meta.dequant_groups, scale,
                                              meta.dequant_workspace)
-    return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                   meta.max_seqlen_q, scale, k_scale=k_scale, v_scale=v_scale)
+    return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                   meta.context_lens, meta.max_seqlen_q, scale, k_scale=k_scale,
+                                   v_scale=v_scale)
 
 
-BACKENDS: dict[str, Callable] = {"torch": torch_attention, "flash_attn": flash_attention, "triton": triton_attention}
+BACKENDS: dict[str, Callable] = {
+    "torch": torch_attention, "flash_attn": flash_attention, "triton": triton_attention}
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: str):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 backend: str):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -169,52 +155,42 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.attend = BACKENDS[backend]
         self.store = store_kvcache_torch if backend == "torch" else store_kvcache_triton
-        # Set by the ModelRunner to this layer's views of the KV pool (the scales only for an fp8 cache).
+        # The ModelRunner sets this layer's views of the KV pool (the scales: fp8 only).
         self.k_cache = self.v_cache = torch.tensor([])
         self.k_scale = self.v_scale = None
 
     def kv_cache_views(self) -> dict[str, torch.Tensor | None]:
-        """This layer's cache as the keyword arguments of a kernel that stores the new K/V itself
-        (qk_norm_rope; then call forward with kv_stored=True). Empty before the pool exists (the
-        memory-profiling run): then nothing is to be stored."""
+        """The cache as keyword arguments of a kernel that stores the new K/V (then forward with
+        kv_stored=True); {} before the pool exists."""
         if self.k_cache.numel() == 0:
             return {}
-        return dict(k_cache=self.k_cache, v_cache=self.v_cache, k_scale=self.k_scale, v_scale=self.v_scale)
+        return dict(k_cache=self.k_cache, v_cache=self.v_cache, k_scale=self.k_scale,
+                    v_scale=self.v_scale)
 
     def decodes_from_qkv(self, qkv: torch.Tensor | SplitKSum, meta: AttentionMetadata) -> bool:
-        """Whether decode_from_qkv serves this step: a decode step of the Triton backend of at most
-        SKINNY_MAX_ROWS rows (where a kernel fewer a layer pays: BENCHMARKS.md, nineteenth session), once the
-        pool exists."""
-        return (self.attend is triton_attention and not meta.is_prefill and qkv.shape[0] <= SKINNY_MAX_ROWS
-                and meta.slot_mapping is not None and self.k_cache.numel() > 0)
-
-    def decode_from_qkv(self, inputs: NormRopeInputs, meta: AttentionMetadata) -> torch.Tensor | SplitSoftmax:
-        """Decode attention from the qkv projection, as o_proj's input [num_seqs, num_heads * head_dim]: the
-        decode kernel computes q as qk_norm_rope would and stores the new K/V itself
-        (triton_decode.paged_decode_attention's from_qkv). Where its splits would need a merge kernel, their
-        partials instead (a SplitSoftmax), which o_proj's skinny GEMM merges as it loads them."""
-        from nanovllm.kernels.attention.decode import paged_decode_attention
-
-        out = paged_decode_attention(None, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                     self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                     order=meta.decode_order, from_qkv=inputs, defer_merge=True)
-        return out if isinstance(out, SplitSoftmax) else out.flatten(1, -1)
-
-    def stages_v(self, meta: AttentionMetadata) -> bool:
-        """Whether this decode step's new V goes to the fp8 cache through the decode kernel (qk_norm_rope's stage_v)."""
-        return (self.attend is triton_attention and not meta.is_prefill and self.v_scale is not None
+        return (self.attend is triton_attention and not meta.is_prefill
+                and qkv.shape[0] <= SKINNY_MAX_ROWS and meta.slot_mapping is not None
                 and self.k_cache.numel() > 0)
 
+    def decode_from_qkv(self, inputs: NormRopeInputs,
+                        meta: AttentionMetadata) -> torch.Tensor | SplitSoftmax:
+        """Decode attention from the qkv projection: o_proj's input, or its SplitSoftmax."""
+        from nanovllm.kernels.attention.decode import paged_decode_attention
+
+        out = paged_decode_attention(None, self.k_cache, self.v_cache, meta.block_tables,
+                                     meta.context_lens, self.scale, k_scale=self.k_scale,
+                                     v_scale=self.v_scale, order=meta.decode_order,
+                                     from_qkv=inputs, defer_merge=True)
+        return out if isinstance(out, SplitSoftmax) else out.flatten(1, -1)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                kv_stored: bool = False, v_staged: bool = False) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], stored into
-        the cache at meta.slot_mapping first unless `kv_stored` (already written there, see kv_cache_views)."""
-        if self.k_cache.numel() == 0:
-            # Memory-profiling run before the pool exists: attention's workspace is negligible next
-            # to the activations measured, so its output is not computed.
+                kv_stored: bool = False) -> torch.Tensor:
+        """q [T, heads, head_dim], k, v [T, kv_heads, head_dim], stored first unless kv_stored."""
+        if self.k_cache.numel() == 0:  # the memory-profiling run, before the pool exists
             return torch.zeros_like(q)
         if not kv_stored:
-            self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        extra = {"v_staged": True} if v_staged else {}
-        return self.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale, **extra)
+            self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale,
+                       self.v_scale)
+        return self.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
+                           self.v_scale)
 

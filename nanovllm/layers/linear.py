@@ -1,16 +1,6 @@
-"""Linear layers, tensor-parallel in vLLM's vocabulary.
-
-Column-parallel layers split the output features across ranks; row-parallel layers split the input
-features and all-reduce the partial sums. Each parameter has a `weight_loader` that copies its
-rank's slice of a checkpoint tensor.
-
-On CUDA, a few 16-bit rows (decode) go through the skinny GEMM, which reads the weight faster than
-cuBLAS does at that size; on Hopper with PDL, up to TILED_MAX_ROWS rows through the tiled GEMM, which overlaps
-its launch and first weight reads with the kernel before; everything else through F.linear.
-`forward(x, defer_sum=True)` lets either GEMM leave its split-K partials to the next kernel (a SplitKSum) where
-no all-reduce needs the sum. x may be
-decode attention's partials not yet merged (a SplitSoftmax), which the skinny GEMM merges as it loads them, or
-a gate/up projection's partials not yet summed and activated (a SwiGLUSplitKSum), likewise.
+"""Linear layers, tensor-parallel in vLLM's vocabulary: column-parallel layers split the output
+features across ranks, row-parallel ones the input features (then all-reduce). On CUDA, decode rows
+go through the skinny GEMM, up to TILED_MAX_ROWS through the tiled GEMM, the rest through F.linear.
 """
 
 import torch
@@ -34,11 +24,10 @@ def skinny_applies(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def linear(x: torch.Tensor | SplitSoftmax | SwiGLUSplitKSum, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           defer_sum: bool = False) -> torch.Tensor | SplitKSum:
-    """F.linear(x, weight, bias), by the skinny GEMM where it applies (to a SplitSoftmax or SwiGLUSplitKSum, always:
-    they are made only for it), else by the tiled GEMM where it does; with defer_sum that may return a SplitKSum,
-    for a caller whose next kernel takes one."""
+def linear(x: torch.Tensor | SplitSoftmax | SwiGLUSplitKSum, weight: torch.Tensor,
+           bias: torch.Tensor | None = None, defer_sum: bool = False) -> torch.Tensor | SplitKSum:
+    """F.linear(x, weight, bias) by the skinny or tiled GEMM where they apply; with defer_sum maybe
+    a SplitKSum. A SplitSoftmax or SwiGLUSplitKSum x always goes to the skinny GEMM."""
     if isinstance(x, (SplitSoftmax, SwiGLUSplitKSum)) or skinny_applies(x):
         return skinny_linear(x, weight, bias, defer_sum=defer_sum)
     if tiled_applies(x, weight):
@@ -48,8 +37,8 @@ def linear(x: torch.Tensor | SplitSoftmax | SwiGLUSplitKSum, weight: torch.Tenso
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor):
     if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: this rank expects {tuple(param.shape)}, the checkpoint gives "
-                         f"{tuple(loaded.shape)}")
+        raise ValueError(f"shape mismatch: this rank expects {tuple(param.shape)}, the checkpoint "
+                         f"gives {tuple(loaded.shape)}")
     param.data.copy_(loaded)
 
 
@@ -72,7 +61,7 @@ class LinearBase(nn.Module):
         return loaded.narrow(dim, self.tp_rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
-        if self.tp_dim is not None and param.dim() > self.tp_dim:  # a row-parallel bias is not split
+        if self.tp_dim is not None and param.dim() > self.tp_dim:  # a row-parallel bias isn't split
             loaded = self._shard(loaded, self.tp_dim)
         _copy_checked(param, loaded)
 
@@ -105,15 +94,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         if loaded.size(0) != self.output_sizes[shard_id]:
-            raise ValueError(f"shape mismatch for shard {shard_id}: expected {self.output_sizes[shard_id]} rows, "
-                             f"checkpoint has {tuple(loaded.shape)}")
+            raise ValueError(f"shape mismatch for shard {shard_id}: expected "
+                             f"{self.output_sizes[shard_id]} rows, checkpoint has "
+                             f"{tuple(loaded.shape)}")
         _copy_checked(param.data.narrow(0, offset, size), self._shard(loaded, 0))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix, split across ranks by heads (KV heads too)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
         _, tp_size = tp_rank_and_size()
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size
@@ -123,10 +114,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        shards = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        offset, size = shards[shard_id]
         if loaded.size(0) != size * self.tp_size:
-            raise ValueError(f"shape mismatch for {shard_id}_proj: expected {size * self.tp_size} rows, "
-                             f"checkpoint has {tuple(loaded.shape)}")
+            raise ValueError(f"shape mismatch for {shard_id}_proj: expected "
+                             f"{size * self.tp_size} rows, checkpoint has {tuple(loaded.shape)}")
         _copy_checked(param.data.narrow(0, offset, size), self._shard(loaded, 0))
 
 
@@ -137,9 +129,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor | SplitSoftmax | SwiGLUSplitKSum,
                 defer_sum: bool = False) -> torch.Tensor | SplitKSum:
-        # The bias is added once, on rank 0, before the partial sums are reduced.
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias, defer_sum)
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)  # the bias added once
         dist.all_reduce(y)
         return y

@@ -1,4 +1,4 @@
-"""Model registry: config.json's `architectures` name -> the class that implements it."""
+"""Model registry: config.json's `architectures` name -> its class (Qwen2 serves Qwen2.5 too)."""
 
 from torch import nn
 

@@ -1,6 +1,6 @@
-"""The dense decoder shared by the supported families: GQA attention with RoPE, SwiGLU MLP, pre-norm
-residual blocks, tensor-parallel layers. A family (qwen3.py, qwen2.py, llama.py) is a subclass of
-`DecoderForCausalLM` that states its `DecoderOptions`; parameter names follow the checkpoints'."""
+"""The dense decoder of the supported families: GQA attention with RoPE, SwiGLU MLP, pre-norm
+residual blocks, tensor-parallel layers. A family (qwen3.py, qwen2.py, llama.py) subclasses
+`DecoderForCausalLM` and states its `DecoderOptions`; parameter names follow the checkpoints'."""
 
 from dataclasses import dataclass
 
@@ -15,7 +15,12 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, skinny_applies
+from nanovllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    skinny_applies,
+)
 from nanovllm.layers.rotary_embedding import get_rope
 
 
@@ -39,10 +44,11 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = hf_config.num_key_value_heads // tp_size
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, hf_config.num_attention_heads,
                                           hf_config.num_key_value_heads, bias=options.qkv_bias)
-        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hidden, bias=options.o_bias)
+        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hidden,
+                                        bias=options.o_bias)
         self.rotary_emb = get_rope(self.head_dim, hf_config)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
-                              attention_backend)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads, attention_backend)
         self.qk_norm = options.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
@@ -51,43 +57,38 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor | SplitKSum:
         fused = hidden_states.is_cuda
-        # Fused: the q/k norm + RoPE kernel (or, decoding a few rows, the decode kernel) sums the projection's
-        # split-K partials itself.
-        qkv = self.qkv_proj(hidden_states, defer_sum=fused)
+        qkv = self.qkv_proj(hidden_states, defer_sum=fused)  # fused: the next kernel sums it
         if fused and self.attn.decodes_from_qkv(qkv, meta):
-            out = self.attn.decode_from_qkv(self.norm_rope_inputs(positions, qkv, meta.slot_mapping), meta)
+            inputs = self.norm_rope_inputs(positions, qkv, meta.slot_mapping)
+            out = self.attn.decode_from_qkv(inputs, meta)
         else:
-            stage_v = fused and self.attn.stages_v(meta)
-            q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping, meta.is_prefill, stage_v)
-            out = self.attn(q, k, v, meta, kv_stored=fused, v_staged=stage_v).flatten(1, -1)
+            q, k, v = self.norm_rope(positions, qkv, fused, meta.slot_mapping, meta.is_prefill)
+            out = self.attn(q, k, v, meta, kv_stored=fused).flatten(1, -1)
         return self.o_proj(out, defer_sum=True)  # summed by the post-attention norm
 
     def norm_rope_inputs(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum,
                          slot_mapping: torch.Tensor) -> NormRopeInputs:
-        """What norm_rope's kernel would take, for the decode kernel to compute q and store k, v itself."""
-        return NormRopeInputs(qkv, positions, self.rotary_emb.cos_sin_cache, slot_mapping, self.num_heads,
-                              **self.qk_norm_weights())
+        return NormRopeInputs(qkv, positions, self.rotary_emb.cos_sin_cache, slot_mapping,
+                              self.num_heads, **self.qk_norm_weights())
 
     def qk_norm_weights(self) -> dict:
-        """The q/k norm's keyword arguments of the fused kernels (none without qk_norm)."""
         if not self.qk_norm:
             return {}
         return dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps)
 
     def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKSum, fused: bool,
                   slot_mapping: torch.Tensor | None = None,
-                  prefill: bool = False, stage_v: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim] from the qkv
-        projection: q and k per-head RMS-normed (with qk_norm), then rotated. `fused`: one Triton kernel
-        (CUDA), which with slot_mapping also stores the new K and V into self.attn's cache (once the pool
-        exists; a prefill's fp8 V by tiles of consecutive tokens; with `stage_v`, a decode step's fp8 V into a
-        staging tensor that the decode kernel attends and writes into the cache); else the torch ops, the exact
-        reference the CPU tests compare with transformers, storing nothing."""
+                  prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]: q and k normed (qk_norm)
+        and rotated. `fused`: the Triton kernel, which with slot_mapping also stores k and v into
+        the cache; else the torch ops (the exact reference), storing nothing."""
         if fused:
-            store = dict(slot_mapping=slot_mapping, v_store_tile=V_STORE_TILE if prefill else 0, stage_v=stage_v,
-                         **self.attn.kv_cache_views()) if slot_mapping is not None else {}
-            return qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
-                                self.head_dim, **self.qk_norm_weights(), **store)
+            store = {}
+            if slot_mapping is not None:
+                store = dict(slot_mapping=slot_mapping, v_store_tile=V_STORE_TILE if prefill else 0,
+                             **self.attn.kv_cache_views())
+            return qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads,
+                                self.num_kv_heads, self.head_dim, **self.qk_norm_weights(), **store)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -101,16 +102,14 @@ class DecoderMLP(nn.Module):
     def __init__(self, hf_config, options: DecoderOptions):
         super().__init__()
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=options.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter],
+                                                       bias=options.mlp_bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias=options.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKSum:
-        # Up to SKINNY_MAX_ROWS rows one kernel projects and activates (skinny_swiglu; for a few rows, down_proj's
-        # loads of its split-K partials activate them); above, gate_up (the tiled GEMM or cuBLAS) then SiLU. Either
-        # way down_proj's split-K partials are summed by the kernel that reads them next: the next layer's input
-        # norm (or the final norm).
-        if skinny_applies(x):
+        # down_proj's split-K partials are summed by the norm that reads them next.
+        if skinny_applies(x):  # one kernel projects and activates
             act = skinny_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias, defer=True)
         else:
             act = self.act_fn(self.gate_up_proj(x))
@@ -141,10 +140,12 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            [DecoderLayer(hf_config, options, attention_backend) for _ in range(hf_config.num_hidden_layers)])
+            [DecoderLayer(hf_config, options, attention_backend)
+             for _ in range(hf_config.num_hidden_layers)])
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
@@ -176,7 +177,8 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -1,5 +1,4 @@
-"""Qwen3 (dense): q/k RMSNorm per head before RoPE; biases only if `attention_bias` (never in the
-published checkpoints)."""
+"""Qwen3 (dense): q/k RMSNorm per head before RoPE; biases only if `attention_bias`."""
 
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
 

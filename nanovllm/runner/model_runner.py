@@ -1,9 +1,6 @@
-"""One ModelRunner per tensor-parallel rank: owns the model shard, the KV pool, the CUDA graphs and the step
-inputs (step_inputs.py).
-
-Rank 0 lives in the engine's process and samples; ranks 1.. are spawned workers that loop on calls
-received over shared memory (`ShmChannel`). Every rank runs every call, so collectives line up.
-"""
+"""One ModelRunner per tensor-parallel rank: the model shard, the KV pool, the CUDA graphs. Rank 0
+lives in the engine's process and samples; the workers run the calls received over `ShmChannel`.
+Every rank runs every call, so collectives line up."""
 
 import os
 import socket
@@ -27,7 +24,7 @@ from nanovllm.sampling.sampler import Sampler, SamplerOutput
 from nanovllm.utils.loader import load_model
 
 CPU_KV_CACHE_BYTES = 2 << 30  # KV pool budget on CPU when num_kvcache_blocks is not given
-WORKER_CHECK_SECONDS = 0.01  # while rank 0 waits for a step, how often it checks that the workers live
+WORKER_CHECK_SECONDS = 0.01  # how often rank 0, waiting for a step, checks that the workers live
 
 
 def free_port() -> int:
@@ -84,12 +81,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_kv_heads = hf.num_key_value_heads // self.world_size
         self.head_dim = head_dim(hf)
-        self.inputs = StepInputs(self.device, self.block_size, decode_order=config.attention_backend == "triton")
+        self.inputs = StepInputs(self.device, self.block_size,
+                                 decode_order=config.attention_backend == "triton")
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs = self.sampler_graphs = None
         if is_cuda and not config.enforce_eager:
-            # On one GPU the decode graphs sample too (temperature alone). With tensor parallelism the other
-            # ranks, which do not know the requests' sampling, run lm_head's gather eagerly every step.
+            # With tensor parallelism the workers, which do not know the requests' sampling, run
+            # lm_head's gather eagerly every step; on one GPU the decode graphs sample too.
             sampler = self.sampler if self.world_size == 1 else None
             self.inputs.decode_temperatures = sampler is not None
             self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq, sampler)
@@ -97,8 +95,7 @@ class ModelRunner:
                 self.sampler_graphs = SamplerGraphs(self.sampler, config.max_num_seqs)
 
     def _init_process_group(self, port: int):
-        """Rendezvous over a TCP store on this engine's own port. Rank 0 waits for the workers to
-        check in while watching them, so a worker that dies during start-up is an error, not a hang."""
+        """Rendezvous over a TCP store; rank 0 watches the workers, so a dead one is no hang."""
         store = dist.TCPStore("127.0.0.1", port, self.world_size, is_master=self.rank == 0,
                               wait_for_workers=False, timeout=timedelta(minutes=10))
         if self.rank == 0:
@@ -108,15 +105,16 @@ class ModelRunner:
         else:
             store.add("workers_ready", 1)
         is_cuda = self.device.type == "cuda"
-        dist.init_process_group("nccl" if is_cuda else "gloo", store=store, world_size=self.world_size,
-                                rank=self.rank, device_id=self.device if is_cuda else None)
+        dist.init_process_group("nccl" if is_cuda else "gloo", store=store,
+                                world_size=self.world_size, rank=self.rank,
+                                device_id=self.device if is_cuda else None)
 
     @property
     def max_blocks_per_seq(self) -> int:
         return (self.config.max_model_len + self.block_size - 1) // self.block_size
 
     def call(self, method: str, *args):
-        """Run `method` on every rank (rank 0 only: also sends it to the workers). Returns rank 0's result."""
+        """Run `method` on every rank (called on rank 0); returns rank 0's result."""
         if self.channel is not None:
             self.channel.send(method, *args)
         return getattr(self, method)(*args)
@@ -126,76 +124,81 @@ class ModelRunner:
             if graphs is not None:
                 graphs.release()
         self.graphs = self.sampler_graphs = None
-        # Free the GPU memory even if the engine object lives on.
         self.model = self.kv_cache = self.kv_scales = self.inputs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         dist.destroy_process_group()
 
-    # ---- KV cache ------------------------------------------------------------------------------
-
     def _allocate_kv_cache(self) -> int:
-        """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views (an
-        fp8 V cache viewed [blocks, kv_heads, head_dim, block_size]); with an fp8 cache also the scales,
-        [2, layers, blocks, kv_heads, block_size] float32."""
+        """Allocate [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets its views;
+        fp8: V viewed [blocks, kv_heads, head_dim, block_size], scales [2, layers, blocks,
+        kv_heads, block_size] float32."""
         hf = self.config.hf_config
         cache_dtype = self.config.kv_cache_torch_dtype
         fp8 = cache_dtype == torch.float8_e4m3fn
-        # Before the pool is sized, so the profile counts it: where prefill dequantizes an fp8 prefix
-        # (attention.triton_attention). Any one context fits (max_model_len), and a full batch of prompts.
+        # Where prefill dequantizes an fp8 prefix (a context, or a prefill), counted by the profile.
         if fp8 and self.config.attention_backend == "triton":
             capacity = max(self.config.max_model_len, self.config.max_num_batched_tokens)
-            self.inputs.dequant_workspace = torch.empty(2, capacity, self.num_kv_heads, self.head_dim,
-                                                        dtype=self.dtype, device=self.device)
-        block_bytes = self.block_size * bytes_per_token(hf.num_hidden_layers, self.num_kv_heads, self.head_dim,
-                                                        cache_dtype)
+            self.inputs.dequant_workspace = torch.empty(
+                2, capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        num_blocks = self._num_kv_blocks(cache_dtype)
+        shape = (2, hf.num_hidden_layers, num_blocks)
+        # An fp8 cache must hold no NaN, not even in slots never written (kv_cache.py).
+        new_pool = torch.zeros if fp8 else torch.empty
+        self.kv_cache = new_pool(*shape, self.block_size, self.num_kv_heads, self.head_dim,
+                                 dtype=cache_dtype, device=self.device)
+        # kv_heads before block_size: a tile reads its KV head's scales as one contiguous run.
+        self.kv_scales = torch.empty(*shape, self.num_kv_heads, self.block_size,
+                                     dtype=torch.float32, device=self.device) if fp8 else None
+        attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        for i, layer in enumerate(attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if fp8:
+                layer.v_cache = layer.v_cache.view(num_blocks, self.num_kv_heads, self.head_dim,
+                                                   self.block_size)
+                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
+        return num_blocks
+
+    def _num_kv_blocks(self, cache_dtype: torch.dtype) -> int:
+        """The pool's size: as configured, else what memory allows; the smallest over the ranks."""
+        hf = self.config.hf_config
+        block_bytes = self.block_size * bytes_per_token(hf.num_hidden_layers, self.num_kv_heads,
+                                                        self.head_dim, cache_dtype)
         if self.config.num_kvcache_blocks > 0:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":
             num_blocks = self._profile_free_memory() // block_bytes
         else:
             num_blocks = CPU_KV_CACHE_BYTES // block_bytes
-        # Every rank must agree on the pool size: take the smallest.
         agreed = torch.tensor([num_blocks], device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         num_blocks = int(agreed.item())
         if num_blocks <= 0:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache (one block of {self.block_size} tokens needs "
-                f"{block_bytes / 2**20:.1f} MiB) at gpu_memory_utilization={self.config.gpu_memory_utilization}; "
-                f"raise it or lower max_num_batched_tokens / max_num_seqs")
-        shape = (2, hf.num_hidden_layers, num_blocks)
-        # An fp8 cache must hold no NaN, not even in slots never written (kv_cache.py): zeroed.
-        new_pool = torch.zeros if fp8 else torch.empty
-        self.kv_cache = new_pool(*shape, self.block_size, self.num_kv_heads, self.head_dim, dtype=cache_dtype,
-                                 device=self.device)
-        # kv_heads before block_size: an attention tile reads its KV head's scales as one contiguous run.
-        self.kv_scales = torch.empty(*shape, self.num_kv_heads, self.block_size, dtype=torch.float32,
-                                     device=self.device) if fp8 else None
-        attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
-        for i, layer in enumerate(attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            if fp8:  # V tokens contiguous (kv_cache.py)
-                layer.v_cache = layer.v_cache.view(num_blocks, self.num_kv_heads, self.head_dim, self.block_size)
-                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
+                f"{block_bytes / 2**20:.1f} MiB) at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens / "
+                "max_num_seqs")
         return num_blocks
 
     def _profile_free_memory(self) -> int:
-        """Run the largest prefill (and the largest sampling batch) to measure peak activation memory;
-        return the bytes left for the KV cache under gpu_memory_utilization."""
+        """Bytes left for the KV cache under gpu_memory_utilization past the largest step's peak."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         num_tokens = self.config.max_num_batched_tokens
-        lens = [min(self.config.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.config.max_model_len)]
+        max_len = self.config.max_model_len
+        lens = [min(max_len, num_tokens - i) for i in range(0, num_tokens, max_len)]
         seqs = [_dummy_sequence(n, self.block_size) for n in lens]
         input_ids, positions, meta, _ = self.inputs.prepare_prefill(seqs)
         hidden = self.model(input_ids, positions, meta)
         rows = hidden[-1:].expand(self.config.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if self.rank == 0:
-            profiled = [Sequence([0], ALL_CONTROLS, self.block_size)] * len(rows)  # the most memory-hungry path
-            self.sampler(logits, build_sampling_metadata(profiled, logits.shape[1], self.inputs.to_device))
+            # Every control on: the sampler's most memory-hungry path.
+            profiled = [Sequence([0], ALL_CONTROLS, self.block_size)] * len(rows)
+            self.sampler(logits, build_sampling_metadata(profiled, logits.shape[1],
+                                                         self.inputs.to_device))
         del hidden, rows, logits
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -204,21 +207,24 @@ class ModelRunner:
         used_outside_peak = total - free - current  # other processes, CUDA context, allocator cache
         return int(total * self.config.gpu_memory_utilization - used_outside_peak - peak)
 
-    # ---- the step ------------------------------------------------------------------------------
-
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> "PendingOutput | None":
-        """Launch one step without waiting for it. On rank 0, return its sampled tokens (one per
-        sequence that completes its prefill; every sequence in decode) on their way to the host."""
+        """Launch one step without waiting for it; on rank 0, return its sampled tokens (one per
+        sequence that completes its prefill) on their way to the host."""
         if is_prefill:
             input_ids, positions, meta, sample_rows = self.inputs.prepare_prefill(seqs)
             hidden = self.model(input_ids, positions, meta)[sample_rows]
             sampling_seqs = [seq for seq in seqs if seq.completes_prefill]
         else:
-            graphs = self.graphs if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size else None
+            graphs = self.graphs
+            if graphs is not None and len(seqs) > graphs.max_batch_size:
+                graphs = None
             input_ids, positions, meta = self.inputs.prepare_decode(seqs, graphs)
-            hidden = graphs.replay(meta, len(seqs)) if graphs is not None else self.model(input_ids, positions, meta)
-            if graphs is not None and graphs.samples(seqs):  # lm_head and the sampler in a graph too (rank 0 alone)
+            if graphs is not None:
+                hidden = graphs.replay(meta, len(seqs))
+            else:
+                hidden = self.model(input_ids, positions, meta)
+            if graphs is not None and graphs.samples(seqs):  # lm_head and the sampler, in graphs
                 tokens = graphs.sample(meta, len(seqs))
                 self.inputs.keep_sampled(tokens, seqs)
                 return PendingOutput(SamplerOutput(tokens), self.channel)
@@ -237,12 +243,12 @@ class ModelRunner:
         return PendingOutput(output, self.channel) if self.rank == 0 else None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """Rank 0: a token per sequence, by a sampler graph where one applies, else eagerly."""
         if self.sampler_graphs is not None and self.sampler_graphs.applies(seqs):
-            return self.sampler_graphs(logits, seqs, self.inputs.to_device, self.inputs.inflight_tokens,
-                                       self.inputs.seed)
-        return self.sampler(logits, build_sampling_metadata(seqs, logits.shape[1], self.inputs.to_device,
-                                                            self.inputs.inflight_tokens, seed=self.inputs.seed))
+            return self.sampler_graphs(logits, seqs, self.inputs.to_device,
+                                       self.inputs.inflight_tokens, self.inputs.seed)
+        meta = build_sampling_metadata(seqs, logits.shape[1], self.inputs.to_device,
+                                       self.inputs.inflight_tokens, seed=self.inputs.seed)
+        return self.sampler(logits, meta)
 
 
 class PendingOutput:
@@ -257,8 +263,7 @@ class PendingOutput:
         self.channel = channel
 
     def result(self) -> SamplerOutput:
-        """Wait for the copies. With workers, keep checking they live: one that died leaves rank 0's
-        NCCL collectives, hence this step, waiting forever."""
+        """Wait for the copies, checking that the workers live: a dead one would hang the step."""
         if self.event is not None:
             if self.channel is None:
                 self.event.synchronize()
@@ -272,7 +277,7 @@ class PendingOutput:
 
 
 def _dummy_sequence(num_tokens: int, block_size: int) -> Sequence:
-    """A sequence shaped like a real prefill (for memory profiling); its slots all point at block 0."""
+    """A prefill of `num_tokens` for memory profiling, its slots all in block 0."""
     from nanovllm.sampling_params import SamplingParams
 
     seq = Sequence([0] * num_tokens, SamplingParams(), block_size)

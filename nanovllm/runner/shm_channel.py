@@ -1,11 +1,9 @@
 """Control plane for tensor parallelism: rank 0 broadcasts each call to the worker ranks.
 
-One shared-memory segment holds the pickled `(method, args)` of the current call behind an 8-byte
-length header; a per-worker `call` semaphore wakes each worker and a per-worker `ack` semaphore says
-it has read the call, so the segment may be rewritten. (Semaphores, not multiprocessing Events: an
-Event's set() waits for its sleepers to wake, so a killed worker would hang rank 0 forever.) When a
-call does not fit, rank 0 moves everyone to a larger segment first. The segment name is unique per
-engine; the owner unlinks it on close.
+A shared-memory segment holds the pickled `(method, args)` behind an 8-byte length; per worker, a
+`call` semaphore wakes it and an `ack` one says it has read the call. (Not Events: their set()
+waits for the sleepers, so a killed worker would hang rank 0.) A call too large for the segment
+first moves everyone to a larger one.
 """
 
 import os
@@ -28,14 +26,15 @@ class ShmChannel:
         self.shm = shared_memory.SharedMemory(name=self._name(), create=True, size=size)
         self.call_semaphores = [ctx.Semaphore(0) for _ in range(num_workers)]
         self.ack_semaphores = [ctx.Semaphore(0) for _ in range(num_workers)]
-        self.processes = []  # set by the engine once spawned, for liveness checks
+        self.processes = []
         self.pending_ack = False
 
     def _name(self) -> str:
         return f"{self.base_name}-{self.generation}"
 
     def worker_end(self, rank: int) -> "WorkerEnd":
-        return WorkerEnd(self._name(), self.call_semaphores[rank - 1], self.ack_semaphores[rank - 1], os.getpid())
+        return WorkerEnd(self._name(), self.call_semaphores[rank - 1],
+                         self.ack_semaphores[rank - 1], os.getpid())
 
     def send(self, method: str, *args):
         """Publish a call to all workers (waits until they have read the previous one)."""
@@ -58,7 +57,8 @@ class ShmChannel:
     def _grow(self, needed: int):
         old = self.shm
         self.generation += 1
-        self.shm = shared_memory.SharedMemory(name=self._name(), create=True, size=max(needed, 2 * old.size))
+        size = max(needed, 2 * old.size)
+        self.shm = shared_memory.SharedMemory(name=self._name(), create=True, size=size)
         payload = pickle.dumps((_REATTACH, (self._name(),)))
         old.buf[:HEADER_BYTES] = len(payload).to_bytes(HEADER_BYTES, "little")
         old.buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
@@ -82,12 +82,12 @@ class ShmChannel:
             raise error
 
     def dead_worker_error(self, grace_seconds: float = 0.0) -> WorkerDiedError | None:
-        """An error naming the first worker that has exited, if any (waiting up to `grace_seconds`
-        for a dying one to be reaped)."""
+        """An error naming the first worker that exited, if any (after `grace_seconds`)."""
         for rank, process in enumerate(self.processes, start=1):
             process.join(grace_seconds)
             if not process.is_alive():
-                return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {process.exitcode})")
+                return WorkerDiedError(f"tensor-parallel worker rank {rank} died "
+                                       f"(exit code {process.exitcode})")
         return None
 
     def close(self):
@@ -109,8 +109,7 @@ class WorkerEnd:
         self.shm = None
 
     def receive(self) -> tuple[str, tuple]:
-        """Block until the next call; returns (method, args). Returns ("exit", ()) if rank 0's
-        process is gone (killed without a chance to say so), so no worker outlives it."""
+        """Block until the next call: (method, args), or ("exit", ()) once rank 0 is gone."""
         while True:
             if self.shm is None:
                 self.shm = shared_memory.SharedMemory(name=self.name)

@@ -1,8 +1,4 @@
-"""Gather one step's sampling settings from the sequences into device tensors for the Sampler (rank 0).
-
-Host work is a few passes over the rows; a control no row uses costs nothing beyond the check, so a
-temperature-only batch pays what it did before the other controls existed.
-"""
+"""One step's sampling settings, from the sequences to device tensors (rank 0)."""
 
 from collections.abc import Callable
 
@@ -17,27 +13,22 @@ from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 InflightTokens = Callable[[list[Sequence]], torch.Tensor]
 
 # Every control at once: the memory profile samples a batch with these settings.
-ALL_CONTROLS = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.1,
-                              frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
+ALL_CONTROLS = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                              presence_penalty=0.1, frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
 
 
 def noise_seed() -> int:
-    """A step's noise seed (SamplingMetadata.seed), drawn on the host by torch's default generator."""
+    """A step's noise seed (SamplingMetadata.seed), drawn by torch's default generator."""
     return torch.randint(2**31 - 1, ()).item()
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: ToDevice,
-                            inflight_tokens: InflightTokens | None = None, num_rows: int | None = None,
+                            inflight_tokens: InflightTokens | None = None,
+                            num_rows: int | None = None,
                             seed: int | None = None) -> SamplingMetadata:
-    """`seqs`: the sequences that sample this step, one row each; `to_device` copies a host array to
-    the device (the model runner's pinned, non-blocking copy), called with the small arrays packed into
-    one; `inflight_tokens` gives the last tokens of sequences whose previous step has not reached
-    the host yet, on the device (penalties count them); `seed`: the step's noise seed (StepInputs.seed;
-    None draws one).
-
-    num_rows: pad to this many rows (greedy, with every control off) and round the other sizes up to
-    powers of two (top-k candidates, penalised token ids, suppressed ids), so that a few shapes recur
-    from step to step, as CUDA graphs of the sampler need (sampling.graphs.SamplerGraphs)."""
+    """A row per sequence; inflight_tokens: the device tokens of sequences in flight (penalties);
+    seed: None draws one; num_rows: pad to this many neutral rows and round the other sizes up to
+    powers of two, so that few shapes recur for the sampler's CUDA graphs."""
     shape = _Shape(len(seqs), num_rows)
     host = {"temperatures": shape.rows([seq.temperature for seq in seqs], 0, np.float32),
             "seed": np.array([noise_seed() if seed is None else seed], dtype=np.int64)}
@@ -45,64 +36,74 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, to_device: To
                   for token_id in seq.min_tokens_stop_ids]
     if suppressed:  # padded with repeats of the first pair: suppressing it twice changes nothing
         suppressed += suppressed[:1] * (shape.size(len(suppressed)) - len(suppressed))
-        host["suppressed"] = np.array(suppressed, dtype=np.int64).T.copy()  # [2, n]: rows, token ids
+        host["suppressed"] = np.array(suppressed, dtype=np.int64).T.copy()
     max_top_k, top_p_within_top_k, num_logprobs, penalty_ids = None, True, None, None
     if not all(seq.only_temperature for seq in seqs):
-        params = [seq.sampling_params for seq in seqs]
-        if any(p.top_k > 0 for p in params):
-            host["top_k"] = shape.rows([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
-                                       vocab_size, np.int64)
-            max_top_k = min(shape.size(max(min(p.top_k, vocab_size) for p in params if p.top_k > 0)), vocab_size)
-        if any(p.top_p < 1 for p in params):
-            host["top_p"] = shape.rows([p.top_p for p in params], 1, np.float32)
-        top_p_within_top_k = all(p.top_k > 0 for p in params if p.top_p < 1)
-        if any(p.min_p > 0 for p in params):
-            host["min_p"] = shape.rows([p.min_p for p in params], 0, np.float32)
-        if any(p.uses_penalties for p in params):
-            penalty_ids, penalty_arrays = _penalty_arrays(seqs, vocab_size, shape)
-            host.update(penalty_arrays)
-        if any(p.seed is not None for p in params):
-            # len(seq): the position of the token sampled now (tokens still in flight included).
-            host["row_seeds"] = shape.rows([-1 if p.seed is None else seed_key(p.seed, len(seq))
-                                            for p, seq in zip(params, seqs)], -1, np.int64)
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        if wanted:
-            num_logprobs = max(wanted)
+        max_top_k, top_p_within_top_k, num_logprobs, penalty_ids = _control_arrays(
+            seqs, vocab_size, shape, host)
     device = to_device_packed(host, to_device)
     penalties = None
     if penalty_ids is not None:  # [rows, width]: large, copied alone rather than packed
-        penalties = Penalties(to_device(penalty_ids), device["prompt_lens"], device["repetition"], device["frequency"],
-                              device["presence"])
-        if "inflight" in device:  # fill in the tokens whose values are still on the device
+        penalties = Penalties(to_device(penalty_ids), device["prompt_lens"], device["repetition"],
+                              device["frequency"], device["presence"])
+        if "inflight" in device:
             rows, positions = device["inflight"]
-            penalties.ids[rows, positions] = inflight_tokens([seqs[row] for row in host["inflight"][0]])
+            inflight_seqs = [seqs[row] for row in host["inflight"][0]]
+            penalties.ids[rows, positions] = inflight_tokens(inflight_seqs)
+    suppressed = tuple(device["suppressed"]) if "suppressed" in device else None
     return SamplingMetadata(device["temperatures"], device["seed"], top_k=device.get("top_k"),
-                            top_p=device.get("top_p"), max_top_k=max_top_k, top_p_within_top_k=top_p_within_top_k,
-                            min_p=device.get("min_p"), penalties=penalties, row_seeds=device.get("row_seeds"),
-                            suppressed=tuple(device["suppressed"]) if "suppressed" in device else None,
-                            num_logprobs=num_logprobs)
+                            top_p=device.get("top_p"), max_top_k=max_top_k,
+                            top_p_within_top_k=top_p_within_top_k, min_p=device.get("min_p"),
+                            penalties=penalties, row_seeds=device.get("row_seeds"),
+                            suppressed=suppressed, num_logprobs=num_logprobs)
+
+
+def _control_arrays(seqs: list[Sequence], vocab_size: int, shape: "_Shape",
+                    host: dict[str, np.ndarray]) -> tuple:
+    """The used controls' arrays into `host`; the other fields of the metadata, and penalty ids."""
+    params = [seq.sampling_params for seq in seqs]
+    max_top_k, num_logprobs, penalty_ids = None, None, None
+    if any(p.top_k > 0 for p in params):
+        top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        host["top_k"] = shape.rows(top_ks, vocab_size, np.int64)
+        largest = max(k for k, p in zip(top_ks, params) if p.top_k > 0)
+        max_top_k = min(shape.size(largest), vocab_size)
+    if any(p.top_p < 1 for p in params):
+        host["top_p"] = shape.rows([p.top_p for p in params], 1, np.float32)
+    top_p_within_top_k = all(p.top_k > 0 for p in params if p.top_p < 1)
+    if any(p.min_p > 0 for p in params):
+        host["min_p"] = shape.rows([p.min_p for p in params], 0, np.float32)
+    if any(p.uses_penalties for p in params):
+        penalty_ids, penalty_arrays = _penalty_arrays(seqs, vocab_size, shape)
+        host.update(penalty_arrays)
+    if any(p.seed is not None for p in params):
+        # len(seq): the position of the token sampled now (tokens still in flight included).
+        keys = [-1 if p.seed is None else seed_key(p.seed, len(seq))
+                for p, seq in zip(params, seqs)]
+        host["row_seeds"] = shape.rows(keys, -1, np.int64)
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    if wanted:
+        num_logprobs = max(wanted)
+    return max_top_k, top_p_within_top_k, num_logprobs, penalty_ids
 
 
 def suppresses_stop_ids(seq: Sequence) -> bool:
-    """Whether the sampler keeps `seq` from drawing its EOS and stop ids this step: it is short of min_tokens."""
+    """Whether `seq` is short of min_tokens: the sampler keeps it from drawing its stop ids."""
     return bool(seq.min_tokens_stop_ids) and seq.num_completion_tokens < seq.min_tokens
 
 
 def only_temperature(seqs: list[Sequence]) -> bool:
-    """Whether one pass of the temperature sampler draws every token of `seqs`: no control, no suppressed id."""
+    """Whether the one-pass temperature sampler draws every token of `seqs`."""
     return all(seq.only_temperature and not suppresses_stop_ids(seq) for seq in seqs)
 
 
 class _Shape:
-    """The metadata's sizes: exact, or padded (see build_sampling_metadata's num_rows)."""
-
     def __init__(self, num_seqs: int, num_rows: int | None):
         self.num_seqs = num_seqs
         self.num_rows = num_seqs if num_rows is None else num_rows
         self.padded = num_rows is not None
 
     def rows(self, values: list, neutral, dtype) -> np.ndarray:
-        """A row per sequence, then `neutral` in the padding rows."""
         array = np.full(self.num_rows, neutral, dtype=dtype)
         array[:self.num_seqs] = values
         return array
@@ -111,14 +112,13 @@ class _Shape:
         return 1 << (n - 1).bit_length() if self.padded else n
 
 
-def _penalty_arrays(seqs: list[Sequence], vocab_size: int, shape: _Shape) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Token ids [rows, width] of the penalised rows (prompt, then output), padded with vocab_size (the
-    other rows are all padding), and the small arrays: the prompts' lengths, the penalties (neutral in
-    the other rows) and "inflight", [2, n] (row, position) of the tokens still on the device, left as
-    padding in the ids."""
+def _penalty_arrays(seqs: list[Sequence], vocab_size: int,
+                    shape: _Shape) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """ids [rows, width] padded with vocab_size, and the small arrays ("inflight": [2, n])."""
     params = [seq.sampling_params for seq in seqs]
     penalised = [row for row, p in enumerate(params) if p.uses_penalties]
-    ids = np.full((shape.num_rows, shape.size(max(len(seqs[row]) for row in penalised))), vocab_size, dtype=np.int64)
+    width = shape.size(max(len(seqs[row]) for row in penalised))
+    ids = np.full((shape.num_rows, width), vocab_size, dtype=np.int64)
     prompt_lens = np.zeros((shape.num_rows, 1), dtype=np.int64)
     inflight = []
     for row in penalised:
@@ -149,8 +149,7 @@ def _mix64(x: int) -> int:
 
 
 def seed_key(seed: int, position: int) -> int:
-    """The Philox key (63 bits, >= 0) of a seeded request's draw for the token at `position`: a function
-    of the two alone, so the request draws the same tokens in any batch, and a new key at every token."""
+    """The 63-bit Philox key of a seeded request's draw at `position`: the same in any batch."""
     return _mix64((_mix64(seed) + position * 0x9E3779B97F4A7C15) & MASK64) >> 1
 
 
@@ -162,7 +161,6 @@ class TokenHistory:
         self.length = 0
 
     def update(self, token_ids: list[int], n: int) -> np.ndarray:
-        """The first n of token_ids (all known: no placeholder)."""
         if n > len(self.array):
             grown = np.empty(max(n, 2 * len(self.array)), dtype=np.int64)
             grown[:self.length] = self.array[:self.length]

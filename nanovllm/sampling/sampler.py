@@ -1,18 +1,6 @@
-"""Token sampling: greedy rows by argmax, the others by an exponential race over the tempered softmax.
-
-argmax_v p_v / E_v with E_v ~ Exp(1) draws v with probability p_v; in log space that is
-argmax_v logit_v / T + G_v with Gumbel noise G_v = -log(-log U_v). On CUDA one Triton kernel does it
-in a single pass over the logits (no softmax, no float32 copy, no host sync per sequence); when the
-rows are fewer than eight per SM, it splits each row over several programs, and the last of a row's
-programs to finish picks the best of its chunks.
-
-A batch in which some row uses top-k / top-p / min-p, penalties, a seed or logprobs takes the general
-path, still one call for the whole batch. On CUDA: penalties on a float32 copy (`logits_processor.py`,
-sparse), the filters as one threshold per row found without a sort (`sampling_filters.py`), then the
-same race, which skips the logits under each row's threshold. A seeded row's noise is keyed by its
-request's seed and the token's position alone. On CPU the torch reference does the same with sorts and
-per-row generators.
-"""
+"""Token sampling: greedy rows by argmax, the others by the race argmax_v logit_v / T + G_v, with
+Gumbel noise G_v = -log(-log U_v): a draw from softmax(logit / T). U is counter-based Philox noise
+keyed by (seed, column), so a seeded row draws the same token in any batch and any split."""
 
 from dataclasses import dataclass
 
@@ -29,18 +17,14 @@ from nanovllm.sampling.logits_processor import apply_min_p, apply_penalties, app
 
 @triton.jit
 def _uniforms(seed, first_group, BLOCK: tl.constexpr):
-    """[BLOCK] uniforms in [0, 1) for BLOCK consecutive columns starting at a multiple of 4: column 4j + i
-    takes output i of the Philox call at counter first_group + j, four draws per call (tl.rand makes one).
-    The interleave keeps each column's draw independent of how the row is blocked or split."""
+    """[BLOCK] uniforms for BLOCK columns from a multiple of 4: column 4j + i is output i of Philox
+    counter first_group + j, so a column's draw does not depend on how the row is blocked."""
     r0, r1, r2, r3 = tl.rand4x(seed, first_group + tl.arange(0, BLOCK // 4))
     return tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])
 
 
 @triton.jit
 def _gumbel(uniform, FAST_LOG: tl.constexpr):
-    """-log(-log(uniform)). FAST_LOG (compiled for the GPU): each log from the GPU's approximate log2 unit,
-    one instruction, against a ~12-FMA polynomial each for tl.log, which made the sampler compute-bound;
-    its error (~2^-22 relative) only perturbs the noise. The interpreter has no fast_logf."""
     if FAST_LOG:
         gumbel = -libdevice.fast_logf(-libdevice.fast_logf(uniform))
     else:
@@ -49,25 +33,19 @@ def _gumbel(uniform, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, thresholds_ptr, row_seeds_ptr, scores_ptr, tokens_ptr,
-                   arrivals_ptr, out_ptr, seed_ptr, vocab_size, chunk_size, FILTERED: tl.constexpr,
-                   ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, FAST_LOG: tl.constexpr):
-    """Program (row, chunk): the best score of the chunk's columns and its token. With one chunk a row
-    (MAX_CHUNKS 1) that is the row's token, into out [rows]. Else it goes into [rows, chunks] partials, and
-    the last of the row's programs to finish (counted in arrivals [rows], which it sets back to 0 for the next
-    launch) writes the token of the best chunk, the earliest on ties, as torch.argmax would pick it.
-    The noise is keyed by the step's seed (read from the device: a CUDA graph replays with a new one).
-    FILTERED: logits below the row's threshold are out. ROW_SEEDS: a row with a seed key (>= 0) draws
-    its noise from that key alone, so its token does not depend on the row's place in the batch."""
+def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, thresholds_ptr, row_seeds_ptr,
+                   scores_ptr, tokens_ptr, arrivals_ptr, out_ptr, seed_ptr, vocab_size, chunk_size,
+                   FILTERED: tl.constexpr, ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr,
+                   MAX_CHUNKS: tl.constexpr, FAST_LOG: tl.constexpr):
+    """Program (row, chunk): the chunk's best score and token into [rows, chunks] partials; the
+    row's last program (arrivals [rows]) writes the best chunk's token. MAX_CHUNKS 1: one chunk."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     seed = tl.load(seed_ptr)
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0
     inv_temperature = 1.0 / tl.where(greedy, 1.0, temperature)
-    groups_per_row = tl.cdiv(vocab_size, 4)
-    # The noise depends on (seed, first_group + column) only: the token drawn does not depend on the split.
-    first_group = row * groups_per_row
-    if ROW_SEEDS:
+    first_group = row * tl.cdiv(vocab_size, 4)
+    if ROW_SEEDS:  # a seeded row (key >= 0) draws from its key alone, wherever it is in the batch
         row_seed = tl.load(row_seeds_ptr + row)
         first_group = tl.where(row_seed >= 0, 0, first_group)
         seed = tl.where(row_seed >= 0, row_seed, seed)
@@ -79,12 +57,13 @@ def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, thresholds_ptr, 
     for start in range(begin, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < end
-        logits = tl.load(logits_ptr + row * logits_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        uniform = _uniforms(seed, first_group + start // 4, BLOCK)
-        gumbel = _gumbel(uniform, FAST_LOG)
+        logits = tl.load(logits_ptr + row * logits_stride + cols, mask=mask,
+                         other=-float("inf")).to(tl.float32)
+        gumbel = _gumbel(_uniforms(seed, first_group + start // 4, BLOCK), FAST_LOG)
         scores = tl.where(greedy, logits, logits * inv_temperature + gumbel)
         scores = tl.where(mask & (logits >= threshold), scores, -float("inf"))
-        block_best, block_token = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        block_best, block_token = tl.max(scores, axis=0, return_indices=True,
+                                         return_indices_tie_break_left=True)
         better = block_best > best_score  # strict: the earliest maximum wins, as torch.argmax
         best_token = tl.where(better, start + block_token, best_token)
         best_score = tl.where(better, block_best, best_score)
@@ -95,15 +74,17 @@ def _sample_kernel(logits_ptr, logits_stride, temperatures_ptr, thresholds_ptr, 
         partial = row * num_chunks + chunk
         tl.store(scores_ptr + partial, best_score)
         tl.store(tokens_ptr + partial, best_token)
-        # Every thread's stores come before the count (one thread's atomic, releasing them at GPU scope).
+        # Every thread's stores come before the count (one thread's atomic releases them).
         tl.debug_barrier()
         if tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:
             chunks = tl.arange(0, MAX_CHUNKS)
-            # the other programs' partials from L2 (.cg), past this SM's L1
-            scores = tl.load(scores_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=-float("inf"),
-                             cache_modifier=".cg")
-            _, best_chunk = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            tl.store(out_ptr + row, tl.load(tokens_ptr + row * num_chunks + best_chunk, cache_modifier=".cg"))
+            # .cg: the other programs' partials from L2, past this SM's L1
+            scores = tl.load(scores_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
+                             other=-float("inf"), cache_modifier=".cg")
+            _, best_chunk = tl.max(scores, axis=0, return_indices=True,
+                                   return_indices_tie_break_left=True)
+            token = tl.load(tokens_ptr + row * num_chunks + best_chunk, cache_modifier=".cg")
+            tl.store(out_ptr + row, token)
             tl.store(arrivals_ptr + row, 0)
 
 
@@ -112,15 +93,10 @@ CHUNK_BLOCK = 1024  # columns per block, and the smallest chunk, when rows are s
 
 def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | torch.Tensor,
                   num_chunks: int | None = None, thresholds: torch.Tensor | None = None,
-                  row_seeds: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits: [rows, vocab] -> [rows] int64 (into out, if given). One program per row, in one pass, once the
-    rows fill the GPU; with fewer than eight rows per SM each row's vocabulary is split over up to `num_chunks`
-    programs (by default about eight programs per SM; one chunk on CPU), the last of which to finish takes the
-    row's best chunk, the earliest on ties. The tokens are the same for any split. (H200, Qwen3's vocabulary:
-    80 us at 128 rows against 102 us with two programs per SM, 48.7 against 58.2 at 64 rows; BENCHMARKS.md.)
-
-    thresholds: [rows] float32, the smallest logit each row keeps (see sampling_filters).
-    row_seeds: [rows] int64 Philox keys of the seeded rows, -1 for rows drawing from `seed`."""
+                  row_seeds: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [rows, vocab] -> [rows] int64, each row over `num_chunks` programs; thresholds [rows]:
+    the smallest logit each row keeps; row_seeds [rows]: Philox keys, -1 for rows drawing `seed`."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     if isinstance(seed, int):
@@ -130,27 +106,29 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | 
     if num_chunks is None:
         num_chunks = max(1, 8 * num_sms(logits.device) // num_rows) if logits.is_cuda else 1
     if num_chunks == 1:
-        block, num_warps, chunk_size = min(4096, max(16, triton.next_power_of_2(vocab_size))), 8, vocab_size
-    else:  # chunks of whole blocks, at least one block each
+        block = min(4096, max(16, triton.next_power_of_2(vocab_size)))
+        num_warps, chunk_size = 8, vocab_size
+    else:
         block, num_warps = CHUNK_BLOCK, 4
         chunk_size = triton.cdiv(triton.cdiv(vocab_size, num_chunks), block) * block
         num_chunks = triton.cdiv(vocab_size, chunk_size)
     if num_chunks == 1:
-        scores = tokens = arrivals = out  # unused
+        scores = tokens = arrivals = out
     else:
         scores = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
         tokens = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
         arrivals = arrival_counts("sampler chunks", num_rows, logits.device)
     _sample_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), temperatures, thresholds, row_seeds, scores, tokens, arrivals, out, seed,
-        vocab_size, chunk_size, FILTERED=thresholds is not None, ROW_SEEDS=row_seeds is not None, BLOCK=block,
-        MAX_CHUNKS=triton.next_power_of_2(num_chunks), FAST_LOG=logits.is_cuda, num_warps=num_warps)
+        logits, logits.stride(0), temperatures, thresholds, row_seeds, scores, tokens, arrivals,
+        out, seed, vocab_size, chunk_size, FILTERED=thresholds is not None,
+        ROW_SEEDS=row_seeds is not None, BLOCK=block, MAX_CHUNKS=triton.next_power_of_2(num_chunks),
+        FAST_LOG=logits.is_cuda, num_warps=num_warps)
     return out
 
 
-def exponential_race(logits: torch.Tensor, generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
-    """A draw per row from softmax(logits): argmax_v p_v / E_v with E_v ~ Exp(1). The rows in `generators`
-    take their noise from their own generator. logits: [rows, vocab] float32 -> [rows] int64."""
+def exponential_race(logits: torch.Tensor,
+                     generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
+    """A draw per row from softmax(logits) [rows, vocab]: argmax_v p_v / E_v, E_v ~ Exp(1)."""
     probs = torch.softmax(logits, dim=-1)
     noise = torch.empty_like(probs).exponential_()
     for row, generator in (generators or {}).items():
@@ -167,91 +145,86 @@ def sample_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tens
 
 @dataclass(slots=True)
 class Penalties:
-    ids: torch.Tensor  # [rows, width] int64: the prompt's then the output's token ids, padded with vocab_size
-    prompt_lens: torch.Tensor  # [rows, 1] int64
-    repetition: torch.Tensor  # [rows] float32, 1 = off
-    frequency: torch.Tensor  # [rows] float32, 0 = off
-    presence: torch.Tensor  # [rows] float32, 0 = off
+    """ids [rows, width]: prompt then output ids, padded with vocab_size; prompt_lens [rows, 1];
+    the penalties [rows] float32 (off: repetition 1, frequency and presence 0)."""
+
+    ids: torch.Tensor
+    prompt_lens: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
 
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    """One step's sampling settings on the device, a row per sampled sequence. A control that no row
-    uses is None (or empty), so a temperature-only batch keeps the one-pass kernel."""
+    """One step's settings on the device, [rows] tensors; a control no row uses is None. Off values:
+    temperature 0 (greedy), top_k vocab_size, top_p 1, min_p 0, row_seeds -1 (else seed_key). seed
+    [1]: the other rows' noise seed; max_top_k: at least every k; suppressed: (rows, token ids)."""
 
-    temperatures: torch.Tensor  # [rows] float32, 0 = greedy
-    # [1] int64: the noise seed of the rows without a seed of their own (the Triton race; the torch reference
-    # draws from torch's generator), drawn on the host by torch's generator (sampling_metadata.noise_seed), so
-    # that torch.manual_seed reproduces runs and a CUDA graph of the sampler holds no random-number op.
+    temperatures: torch.Tensor
     seed: torch.Tensor
-    top_k: torch.Tensor | None = None  # [rows] int64, vocab_size = off
-    top_p: torch.Tensor | None = None  # [rows] float32, 1 = off
-    max_top_k: int | None = None  # the largest k of the rows with top-k, or more (candidates of top-k)
-    # Whether every row with top_p < 1 also has a top_k: then both filters work on each row's largest
-    # max_top_k logits, else a full sort (torch) or a search (Triton) serves the rows without one.
-    top_p_within_top_k: bool = True
-    min_p: torch.Tensor | None = None  # [rows] float32, 0 = off
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    max_top_k: int | None = None
+    top_p_within_top_k: bool = True  # every row with top_p < 1 has a top_k
+    min_p: torch.Tensor | None = None
     penalties: Penalties | None = None
-    # [rows] int64: the Philox key of each seeded row's draw (sampling_metadata.seed_key), -1 for the others.
     row_seeds: torch.Tensor | None = None
-    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) [n] each: never sampled
-    num_logprobs: int | None = None  # top-N log-probabilities for every row (the largest N any row asks for)
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None
+    num_logprobs: int | None = None
 
     @property
     def only_temperature(self) -> bool:
-        return (self.top_k is None and self.top_p is None and self.min_p is None and self.penalties is None
-                and self.row_seeds is None and self.num_logprobs is None)
+        return (self.top_k is None and self.top_p is None and self.min_p is None
+                and self.penalties is None and self.row_seeds is None
+                and self.num_logprobs is None)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor, in a fixed order."""
-        tensors = [self.temperatures, self.seed, self.top_k, self.top_p, self.min_p, self.row_seeds,
-                   *(self.suppressed or ())]
+        tensors = [self.temperatures, self.seed, self.top_k, self.top_p, self.min_p,
+                   self.row_seeds, *(self.suppressed or ())]
         if self.penalties is not None:
             p = self.penalties
             tensors += [p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence]
         return [t for t in tensors if t is not None]
 
     def shape_key(self) -> tuple:
-        """What a sampling call's work depends on besides the tensors' values: a CUDA graph of the call
-        replays for any metadata with the same key."""
-        fields = (self.top_k, self.top_p, self.min_p, self.penalties, self.row_seeds, self.suppressed)
-        return (tuple(field is None for field in fields), tuple(t.shape for t in self.tensors()), self.max_top_k,
-                self.top_p_within_top_k, self.num_logprobs)
+        """A CUDA graph of a sampling call replays for any metadata with the same key."""
+        fields = (self.top_k, self.top_p, self.min_p, self.penalties, self.row_seeds,
+                  self.suppressed)
+        return (tuple(field is None for field in fields), tuple(t.shape for t in self.tensors()),
+                self.max_top_k, self.top_p_within_top_k, self.num_logprobs)
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    """One step's results, a row per sampled sequence: on the device as the Sampler returns them, on
-    the host after `to_host`."""
+    """token_ids [rows]; with logprobs, [rows, 1 + N] ids (sampled, then top N) and logprobs."""
 
-    token_ids: torch.Tensor  # [rows] int64
-    # When logprobs were asked for: the sampled id, then the top N ids of each row ([rows, 1 + N]), and
-    # their log-probabilities (float32).
+    token_ids: torch.Tensor
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
 
     def to_host(self) -> "SamplerOutput":
-        """Copies in host memory, pinned and queued without waiting when on CUDA: read them only once
-        the stream has passed this point."""
+        """Pinned host copies, queued without waiting: read them once the stream has passed here."""
         def copy(tensor):
             if tensor is None or not tensor.is_cuda:
                 return tensor
-            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
 
-        return SamplerOutput(copy(self.token_ids), copy(self.logprob_token_ids), copy(self.logprobs))
+        return SamplerOutput(copy(self.token_ids), copy(self.logprob_token_ids),
+                             copy(self.logprobs))
 
     def first_rows(self, num_rows: int) -> "SamplerOutput":
         def rows(tensor):
             return None if tensor is None else tensor[:num_rows]
 
-        return SamplerOutput(rows(self.token_ids), rows(self.logprob_token_ids), rows(self.logprobs))
+        return SamplerOutput(rows(self.token_ids), rows(self.logprob_token_ids),
+                             rows(self.logprobs))
 
 
 def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The general path in torch (the CPU reference), vLLM's order: penalties, greedy argmax,
-    temperature, min-p, top-k / top-p, then the exponential race; a seeded row draws its noise from a
-    generator seeded with its key. logits: [rows, vocab] -> [rows]."""
-    logits = logits.to(torch.float32, copy=True)  # [rows, vocab], processed in place
+    """The CPU reference, in vLLM's order: penalties, temperature, min-p, top-k / top-p, race."""
+    logits = logits.to(torch.float32, copy=True)
     if meta.penalties is not None:
         p = meta.penalties
         apply_penalties(logits, p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence)
@@ -261,27 +234,26 @@ def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> 
     if meta.min_p is not None:
         apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
-        apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k if meta.top_p_within_top_k else None)
-    keys = [] if meta.row_seeds is None else meta.row_seeds.tolist()  # on the host: this path is for the CPU
-    generators = {row: torch.Generator(logits.device).manual_seed(key) for row, key in enumerate(keys) if key >= 0}
+        num_candidates = meta.max_top_k if meta.top_p_within_top_k else None
+        apply_top_k_top_p(logits, meta.top_k, meta.top_p, num_candidates)
+    keys = [] if meta.row_seeds is None else meta.row_seeds.tolist()
+    generators = {row: torch.Generator(logits.device).manual_seed(key)
+                  for row, key in enumerate(keys) if key >= 0}
     return torch.where(greedy, greedy_tokens, exponential_race(logits, generators))
 
 
 def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata,
                                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """The general path with Triton kernels, in the same order: penalties (on a float32 copy), then the
-    filters as one threshold per row (sampling_filters), then the one-pass race, which skips logits
-    under the threshold and keys each seeded row's noise on its own Philox key (the others' on meta.seed)."""
     if meta.penalties is not None:
         p = meta.penalties
-        logits = apply_penalties(logits.to(torch.float32, copy=True), p.ids, p.prompt_lens, p.repetition,
-                                 p.frequency, p.presence)
+        logits = apply_penalties(logits.to(torch.float32, copy=True), p.ids, p.prompt_lens,
+                                 p.repetition, p.frequency, p.presence)
     thresholds = None
     if meta.top_k is not None or meta.top_p is not None or meta.min_p is not None:
-        thresholds = filter_thresholds(logits, meta.temperatures, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k,
-                                       not meta.top_p_within_top_k)
-    return sample_triton(logits, meta.temperatures, meta.seed, thresholds=thresholds, row_seeds=meta.row_seeds,
-                         out=out)
+        thresholds = filter_thresholds(logits, meta.temperatures, meta.top_k, meta.top_p,
+                                       meta.min_p, meta.max_top_k, not meta.top_p_within_top_k)
+    return sample_triton(logits, meta.temperatures, meta.seed, thresholds=thresholds,
+                         row_seeds=meta.row_seeds, out=out)
 
 
 class Sampler(nn.Module):
@@ -291,16 +263,14 @@ class Sampler(nn.Module):
         super().__init__()
         self.use_triton = use_triton
 
-    def forward(self, logits: torch.Tensor, meta: SamplingMetadata, out: torch.Tensor | None = None) -> SamplerOutput:
-        """logits: [rows, vocab] (modified in place) -> a token per row (into out [rows] int64, if given), plus
-        log-probabilities if asked, on the device: nothing here waits for the GPU."""
-        # Log-probabilities of the model's raw logits, before penalties, temperature and filtering, as
-        # vLLM returns by default (logprobs_mode="raw_logprobs"): logit - logsumexp(row), the top N
-        # taken from the raw logits, whose order is the log-softmax's (no [rows, vocab] log-softmax).
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata,
+                out: torch.Tensor | None = None) -> SamplerOutput:
+        """logits [rows, vocab], modified in place -> [rows] tokens; nothing waits for the GPU."""
+        # vLLM's raw logprobs: logit - logsumexp(row), before penalties, temperature and filters.
         if meta.num_logprobs is not None:
             top = logits.topk(meta.num_logprobs, dim=-1)
             log_normalizer = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
-        if meta.suppressed is not None:  # (a -inf filled on the device: no host copy in a CUDA graph)
+        if meta.suppressed is not None:
             logits.index_put_(meta.suppressed, logits.new_full((), -float("inf")))
         use_triton = logits.is_cuda if self.use_triton is None else self.use_triton
         if use_triton:
@@ -317,6 +287,7 @@ class Sampler(nn.Module):
                 tokens = out.copy_(tokens)
         if meta.num_logprobs is None:
             return SamplerOutput(tokens)
-        sampled = logits.gather(1, tokens.unsqueeze(1))  # still the raw logit: a suppressed token is never drawn
-        ids = torch.cat([tokens.unsqueeze(1), top.indices], dim=1)  # [rows, 1 + N]
-        return SamplerOutput(tokens, ids, torch.cat([sampled, top.values], dim=1).float() - log_normalizer)
+        sampled = logits.gather(1, tokens.unsqueeze(1))
+        ids = torch.cat([tokens.unsqueeze(1), top.indices], dim=1)
+        logprobs = torch.cat([sampled, top.values], dim=1).float() - log_normalizer
+        return SamplerOutput(tokens, ids, logprobs)

@@ -8,19 +8,14 @@ from torch import nn
 
 
 def load_model(model: nn.Module, path: str):
-    """Load all `*.safetensors` in `path` into `model` through each parameter's `weight_loader`.
-
-    Checkpoint names of packed projections (q/k/v_proj, gate/up_proj) are routed to the merged
-    parameter with their shard id via `model.packed_modules_mapping`. With tied embeddings, an
-    `lm_head.weight` in the checkpoint is ignored (the head shares the embedding tensor).
-    """
+    """Load `path`/*.safetensors through each parameter's `weight_loader`; packed projections are
+    routed by `model.packed_modules_mapping`; with tied embeddings `lm_head.weight` is skipped."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r}")
     packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=True))
-    expected = _expected_keys(params, packed)
     loaded = set()
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -29,19 +24,25 @@ def load_model(model: nn.Module, path: str):
                     continue
                 name, shard = _route(ckpt_name, packed)
                 if name not in params:
-                    raise ValueError(f"unexpected tensor {ckpt_name!r} in {file!r}: the model has no such parameter")
+                    raise ValueError(f"unexpected tensor {ckpt_name!r} in {file!r}: "
+                                     "the model has no such parameter")
                 if (name, shard) in loaded:
                     raise ValueError(f"tensor {ckpt_name!r} appears more than once in {path!r}")
-                param = params[name]
-                args = (param, f.get_tensor(ckpt_name)) if shard is None else (param, f.get_tensor(ckpt_name), shard)
-                try:
-                    param.weight_loader(*args) if hasattr(param, "weight_loader") else _default_loader(*args)
-                except ValueError as e:
-                    raise ValueError(f"cannot load {ckpt_name!r} from {file!r}: {e}") from None
+                tensor = f.get_tensor(ckpt_name)
+                _load_tensor(params[name], tensor, shard, f"{ckpt_name!r} from {file!r}")
                 loaded.add((name, shard))
-    missing = sorted(f"{n}" + (f" (shard {s!r})" if s is not None else "") for n, s in expected - loaded)
+    missing = sorted(f"{n}" + (f" (shard {s!r})" if s is not None else "")
+                     for n, s in _expected_keys(params, packed) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensors for: {', '.join(missing)}")
+
+
+def _load_tensor(param: nn.Parameter, tensor, shard, where: str):
+    args = (param, tensor) if shard is None else (param, tensor, shard)
+    try:
+        param.weight_loader(*args) if hasattr(param, "weight_loader") else _default_loader(*args)
+    except ValueError as e:
+        raise ValueError(f"cannot load {where}: {e}") from None
 
 
 def _expected_keys(params: dict, packed: dict) -> set[tuple[str, object]]:
@@ -65,5 +66,6 @@ def _route(ckpt_name: str, packed: dict) -> tuple[str, object]:
 
 def _default_loader(param: nn.Parameter, loaded):
     if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
+        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, "
+                         f"checkpoint has {tuple(loaded.shape)}")
     param.data.copy_(loaded)

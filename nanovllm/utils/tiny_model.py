@@ -1,77 +1,73 @@
-"""Write small random checkpoints (Qwen3, Qwen2, Llama) with transformers, for tests, examples and benchmarks.
-
-The weights are random, so generated text is meaningless; what matters is that transformers wrote
-them, so our engine can be checked token for token against transformers on the same weights.
-"""
+"""Random-weight checkpoints (Qwen3, Qwen2, Llama) written by transformers, so that the engine can
+be checked token for token against transformers on the same weights."""
 
 import json
 import os
 
-# Byte-level tokenizer: one token per byte, then special tokens, padded to a vocabulary size that
-# every tensor-parallel size up to 8 divides.
+# A byte-level vocabulary plus special tokens, padded to a size every TP size up to 8 divides.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB_SIZE = 320
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Qwen3-0.6B's published architecture (config.json of Qwen/Qwen3-0.6B).
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
-# Qwen3-8B's published architecture.
+# Published architectures (the fields of their config.json).
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  tie_word_embeddings=True)
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
-# Qwen2.5-0.5B's published architecture (head_dim = 896 / 14 = 64; no sliding window).
-QWEN2_5_0_5B = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                    max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
-# Llama-3.2-1B's published architecture, with its llama3 RoPE scaling.
-LLAMA_3_2_1B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-                    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                      original_max_position_embeddings=8192), tie_word_embeddings=True)
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                tie_word_embeddings=False)
+QWEN2_5_0_5B = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,
+                    intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                    rope_theta=1000000.0, tie_word_embeddings=True)
+LLAMA_3_2_1B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048,
+                    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                    rms_norm_eps=1e-5, rope_theta=500000.0,
+                    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=8192),
+                    tie_word_embeddings=True)
 
 
 def write_byte_tokenizer(path: str, vocab_size: int = TINY_VOCAB_SIZE):
-    """A byte-level BPE tokenizer without merges (each byte is a token) plus chat special tokens."""
+    """A byte-level BPE tokenizer without merges (one token per byte) plus the special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
-    specials = SPECIAL_TOKENS + [f"<|extra_{i}|>" for i in range(vocab_size - len(vocab) - len(SPECIAL_TOKENS))]
+    num_extra = vocab_size - len(vocab) - len(SPECIAL_TOKENS)
+    specials = SPECIAL_TOKENS + [f"<|extra_{i}|>" for i in range(num_extra)]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
 
 def _transformers_classes(architecture: str):
-    """(config class, model class) of transformers for a config.json `architectures` name."""
     import transformers
 
     config_names = {"Qwen3ForCausalLM": "Qwen3Config", "Qwen2ForCausalLM": "Qwen2Config",
                     "LlamaForCausalLM": "LlamaConfig"}
     if architecture not in config_names:
-        raise ValueError(f"no random-checkpoint writer for {architecture!r}; known: {', '.join(config_names)}")
+        raise ValueError(f"no random-checkpoint writer for {architecture!r}; "
+                         f"known: {', '.join(config_names)}")
     return getattr(transformers, config_names[architecture]), getattr(transformers, architecture)
 
 
 def write_random_checkpoint(path: str, arch: dict, dtype: str = "float32", seed: int = 0,
                             initializer_range: float = 0.02, tokenizer: bool = True):
-    """Save a random-weight model with architecture `arch` (config.json fields; `architectures` picks
-    the family, Qwen3 if absent; `rope_theta` and an optional `rope_scaling` dict give the RoPE) to `path`.
-
-    Biases (which transformers initializes to zero) are drawn like the weights, so that a test sees
-    them if they are loaded wrongly.
-    """
+    """Save a random model of `arch` (config.json fields) to `path`, its biases drawn like its
+    weights (not zero) so that a wrongly loaded bias shows."""
     import torch
 
     architecture, config, model_class = _transformers_config(arch, initializer_range)
@@ -91,21 +87,16 @@ def write_random_checkpoint(path: str, arch: dict, dtype: str = "float32", seed:
 
 def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", seed: int = 0,
                                initializer_range: float = 0.02, shard_bytes: int = 4 << 30):
-    """Random weights for throughput benchmarks, written without building the model in memory.
-
-    transformers' module tree on the meta device gives every tensor's name and shape; each tensor is
-    then drawn in turn as transformers initializes it (normal(0, initializer_range), norms 1, biases
-    0) directly in `dtype`, and saved in shards of about `shard_bytes`. Minutes faster and tens of GB
-    lighter than write_random_checkpoint for an 8B model; the values do not matter for throughput.
-    """
+    """Random weights for benchmarks, drawn tensor by tensor as transformers initializes them and
+    saved in shards of about `shard_bytes`, without building the model (meta-device shapes)."""
     import torch
     from safetensors.torch import save_file
 
     _, config, model_class = _transformers_config(arch, initializer_range)
     with torch.device("meta"):
-        shapes = {name: tensor.shape for name, tensor in model_class(config).state_dict().items()}
+        shapes = {name: t.shape for name, t in model_class(config).state_dict().items()}
     if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)  # the head shares the embedding, as save_pretrained writes it
+        shapes.pop("lm_head.weight", None)  # tied, as save_pretrained writes it
     torch_dtype = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(seed)
     os.makedirs(path, exist_ok=True)
@@ -116,10 +107,12 @@ def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", s
         elif name.endswith(".bias"):
             shard[name] = torch.zeros(shape, dtype=torch_dtype)
         else:
-            shard[name] = torch.empty(shape).normal_(0.0, initializer_range, generator=generator).to(torch_dtype)
+            drawn = torch.empty(shape).normal_(0.0, initializer_range, generator=generator)
+            shard[name] = drawn.to(torch_dtype)
         size += shard[name].nbytes
         if size >= shard_bytes or i == len(shapes) - 1:
-            save_file(shard, os.path.join(path, f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+            file = os.path.join(path, f"model-{index:05d}.safetensors")
+            save_file(shard, file, metadata={"format": "pt"})
             shard, size, index = {}, 0, index + 1
     config.dtype = dtype  # what `dtype="auto"` then runs in
     config.save_pretrained(path)
@@ -127,64 +120,65 @@ def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", s
 
 
 def _transformers_config(arch: dict, initializer_range: float):
-    """(architecture name, transformers config, transformers model class) for `arch` (config.json fields;
-    `architectures` picks the family, Qwen3 if absent; `rope_theta` and an optional `rope_scaling` dict
-    give the RoPE)."""
+    """(architecture, config, model class): `architectures` picks the family (Qwen3 if absent)."""
     arch = dict(arch)
     (architecture,) = arch.pop("architectures", ["Qwen3ForCausalLM"])
     config_class, model_class = _transformers_classes(architecture)
-    rope = {"rope_type": "default", **arch.pop("rope_scaling", {}), "rope_theta": arch.pop("rope_theta", 1000000.0)}
-    config = config_class(**arch, initializer_range=initializer_range, rope_parameters=rope, bos_token_id=None,
-                          eos_token_id=SPECIAL_TOKENS.index("<|im_end|>") + 256, pad_token_id=256)
+    rope = {"rope_type": "default", **arch.pop("rope_scaling", {}),
+            "rope_theta": arch.pop("rope_theta", 1000000.0)}
+    config = config_class(**arch, initializer_range=initializer_range, rope_parameters=rope,
+                          bos_token_id=None, eos_token_id=SPECIAL_TOKENS.index("<|im_end|>") + 256,
+                          pad_token_id=256)
     config.architectures = [architecture]
     return architecture, config, model_class
 
 
 def _write_companions(path: str, config, tokenizer: bool):
-    """generation_config.json and, if asked, the byte-level tokenizer."""
     from transformers import GenerationConfig
 
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=256).save_pretrained(path)
     if tokenizer:
-        write_byte_tokenizer(path, config.vocab_size if config.vocab_size <= 4096 else TINY_VOCAB_SIZE)
+        vocab_size = config.vocab_size if config.vocab_size <= 4096 else TINY_VOCAB_SIZE
+        write_byte_tokenizer(path, vocab_size)
 
 
 def write_random_qwen3(path: str, arch: dict, dtype: str = "float32", seed: int = 0,
                        initializer_range: float = 0.02, tokenizer: bool = True):
-    """Save a random-weight Qwen3ForCausalLM with architecture `arch` (config fields) to `path`."""
-    write_random_checkpoint(path, {"architectures": ["Qwen3ForCausalLM"], **arch}, dtype=dtype, seed=seed,
-                            initializer_range=initializer_range, tokenizer=tokenizer)
+    write_random_checkpoint(path, {"architectures": ["Qwen3ForCausalLM"], **arch}, dtype=dtype,
+                            seed=seed, initializer_range=initializer_range, tokenizer=tokenizer)
 
 
 def write_tiny_qwen3(path: str, dtype: str = "float32", seed: int = 0, **arch_overrides):
-    """The test oracle's checkpoint. Weights drawn with std 0.3 (not 0.02) so greedy decoding varies
-    its tokens and the top-2 logit gaps (~1e-2) dwarf float32 rounding differences."""
-    write_random_qwen3(path, tiny_qwen3_arch(**arch_overrides), dtype=dtype, seed=seed, initializer_range=0.3)
+    """The test oracle's checkpoint: weights of std 0.3 so that greedy tokens vary and the top-2
+    logit gaps (~1e-2) dwarf float32 rounding differences."""
+    write_random_qwen3(path, tiny_qwen3_arch(**arch_overrides), dtype=dtype, seed=seed,
+                       initializer_range=0.3)
 
 
 def tiny_qwen3_arch(**overrides) -> dict:
     """A 2-layer Qwen3 small enough for CPU tests (GQA 4:2, head_dim 16)."""
-    arch = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
+    arch = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
+                tie_word_embeddings=True)
     arch.update(overrides)
     return arch
 
 
 def write_tiny_qwen2(path: str, dtype: str = "float32", seed: int = 0, **arch_overrides):
-    """A tiny random Qwen2 (q/k/v biases, no q/k norm), drawn like write_tiny_qwen3's."""
+    """write_tiny_qwen3's Qwen2 twin (q/k/v biases, no q/k norm, no head_dim: hidden / heads)."""
     arch = tiny_qwen3_arch(architectures=["Qwen2ForCausalLM"])
-    del arch["head_dim"]  # Qwen2 configs have none: hidden / heads = 16
+    del arch["head_dim"]
     arch.update(arch_overrides)
     write_random_checkpoint(path, arch, dtype=dtype, seed=seed, initializer_range=0.3)
 
 
 def write_tiny_llama(path: str, dtype: str = "float32", seed: int = 0, **arch_overrides):
-    """A tiny random Llama 3.1-style model. Its llama3 RoPE scaling has original_max_position_embeddings
-    256, so that of head_dim 16's 8 frequencies (wavelengths 6 .. 2e4 at theta 1e4) 3 keep their value
-    (wavelength < 256 / 4), 1 is interpolated and 4 are divided by the factor (wavelength > 256)."""
+    """A tiny Llama 3.1: of head_dim 16's 8 frequencies (wavelengths 6 .. 2e4) its llama3 scaling
+    (original 256) keeps 3 (below 256 / 4), blends 1 and divides 4 by the factor (above 256)."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=256)
     arch = tiny_qwen3_arch(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
-                           rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                             high_freq_factor=4.0, original_max_position_embeddings=256))
+                           rope_scaling=scaling)
     arch.update(arch_overrides)
     write_random_checkpoint(path, arch, dtype=dtype, seed=seed, initializer_range=0.3)

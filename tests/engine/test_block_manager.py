@@ -167,7 +167,7 @@ def test_blocks_enter_the_hash_table_only_once_computed():
 def test_chained_hash_depends_on_the_prefix():
     bm, first = pool_with_computed(8, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert bm.blocks[1].hash == block_hash([5, 6, 7, 8], block_hash([1, 2, 3, 4]))
-    assert bm.cached_prefix(make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9])) == []  # same block 1, other prefix
+    assert bm.cached_prefix(make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9])) == []  # other prefix
 
 
 def test_a_reused_block_no_longer_answers_its_old_hash():
@@ -274,8 +274,9 @@ def corrupt_hash_of_partial_block(bm, seq):
     bm.hash_to_block_id[block.hash] = block.block_id
 
 
-@pytest.mark.parametrize("corrupt", [corrupt_ref_count, corrupt_free_a_held_block, corrupt_leak_a_free_block,
-                                     corrupt_hash_entry, corrupt_hash_of_partial_block])
+@pytest.mark.parametrize("corrupt", [corrupt_ref_count, corrupt_free_a_held_block,
+                                     corrupt_leak_a_free_block, corrupt_hash_entry,
+                                     corrupt_hash_of_partial_block])
 def test_check_integrity_detects_corruption(corrupt):
     bm, seq = pool_with_computed(6, range(1, 10))
     check(bm, [seq])
@@ -304,10 +305,11 @@ def test_reset_prefix_cache_forgets_free_and_live_blocks():
     bm.reset_prefix_cache()
     assert bm.hash_to_block_id == {}
     assert [bm.blocks[i].hash == NO_HASH for i in range(5)] == [False, False, True, True, True]
-    assert bm.blocks[3].token_ids == [] and bm.blocks[1].token_ids == [5, 6, 7, 8]  # live blocks unchanged
-    assert bm.cached_prefix(make_seq(range(1, 10))) == [] and bm.cached_prefix(make_seq(range(20, 29))) == []
+    assert bm.blocks[3].token_ids == [] and bm.blocks[1].token_ids == [5, 6, 7, 8]  # live: kept
+    assert bm.cached_prefix(make_seq(range(1, 10))) == []
+    assert bm.cached_prefix(make_seq(range(20, 29))) == []
     check(bm, [live])
-    # A live block, computed again, is not re-registered: it may be freed and reused without a stale entry.
+    # A live block computed again is not re-registered: freed and reused, it leaves no stale entry.
     compute(bm, live, 0)
     assert bm.hash_to_block_id == {}
     bm.deallocate(live)

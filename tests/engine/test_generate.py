@@ -34,7 +34,8 @@ class PreemptionCounter:
     ("few_seqs", {"max_num_seqs": 2}),
 ])
 def test_greedy_matches_transformers(tiny_model, prompts, hf_reference, block_size, case, options):
-    with LLM(tiny_model, kvcache_block_size=block_size, num_kvcache_blocks=64, max_model_len=512, **options) as llm:
+    with LLM(tiny_model, kvcache_block_size=block_size, num_kvcache_blocks=64, max_model_len=512,
+             **options) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == hf_reference
     assert all(o["finish_reason"] == "length" for o in outputs)
@@ -87,8 +88,8 @@ def test_reset_prefix_cache_computes_prompts_in_full_again(tiny_model, prompts, 
 
         llm.scheduler.block_manager.allocate = spy
         again = llm.generate(prompts, GREEDY, use_tqdm=False)
-    # Without the reset, the repeated prompts and the 40-token shared prefix would hit (the test above);
-    # within this batch, only prompts admitted after an earlier one's prefill may.
+    # Without the reset, the repeated prompts and the 40-token shared prefix would hit (the test
+    # above); within this batch, only prompts admitted after an earlier one's prefill may.
     assert cached_tokens[:5] == [0] * 5  # the five unique prompts, admitted first
     assert [o["token_ids"] for o in again] == hf_reference
 
@@ -102,7 +103,8 @@ def test_untied_checkpoint_and_text_prompts(tiny_model_untied):
     texts = ["hello world", "héllo wörld, ünïcode"]
     expected = [hf_greedy(tiny_model_untied, tok.encode(t), 8) for t in texts]
     with LLM(tiny_model_untied, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
-        outputs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outputs = llm.generate(texts, params, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == expected
     assert [o["text"] for o in outputs] == [tok.decode(e) for e in expected]
 
@@ -111,7 +113,8 @@ def test_sampling_with_temperature_is_valid_and_varies(tiny_model, prompts):
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
         outputs = llm.generate(prompts[:4] * 2, params, use_tqdm=False)
-    assert all(len(o["token_ids"]) == 16 and all(0 <= t < 320 for t in o["token_ids"]) for o in outputs)
+    assert all(len(o["token_ids"]) == 16 for o in outputs)
+    assert all(0 <= t < 320 for o in outputs for t in o["token_ids"])
     assert outputs[0]["token_ids"] != outputs[4]["token_ids"]  # same prompt, independent samples
 
 
@@ -120,8 +123,9 @@ def test_eos_stops_generation(tiny_model, prompts, hf_reference):
     eos = hf_reference[0][4]
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
         llm.scheduler.eos_token_ids = {eos}
-        (out,) = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS), use_tqdm=False)
-        # The step launched before EOS came back is dropped, and its extra block freed with the rest.
+        params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS)
+        (out,) = llm.generate([prompts[0]], params, use_tqdm=False)
+        # The step launched before EOS came back is dropped, its extra block freed with the rest.
         assert llm.scheduler.block_manager.num_free_blocks == 64
     first = hf_reference[0].index(eos)
     assert out["token_ids"] == hf_reference[0][:first + 1]
@@ -129,7 +133,6 @@ def test_eos_stops_generation(tiny_model, prompts, hf_reference):
 
 
 def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_reference):
-    # On CPU this runs the project's Triton kernels under the interpreter.
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton",
              max_num_batched_tokens=40) as llm:
         orders = []  # (context lengths, decode order) of each decode step
@@ -141,11 +144,12 @@ def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_refe
             return input_ids, positions, meta
 
         llm.model_runner.inputs.prepare_decode = spy
-        outputs = llm.generate(prompts[:6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                               use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outputs = llm.generate(prompts[:6], params, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [ref[:8] for ref in hf_reference[:6]]
-    # The decode kernel took each step's rows longest context first (ties in row order), not in row order.
-    assert orders and all(order == sorted(range(len(lens)), key=lambda b: -lens[b]) for lens, order in orders)
+    # The decode kernel took each step's rows longest context first (ties in row order).
+    assert orders and all(order == sorted(range(len(lens)), key=lambda b: -lens[b])
+                          for lens, order in orders)
     assert any(order != sorted(order) for _, order in orders)
 
 
@@ -155,14 +159,16 @@ def count_inflight_inputs(llm) -> list[tuple[int, int]]:
     prepare = llm.model_runner.inputs.prepare_decode
 
     def spy(seqs, *args):
-        counts.append((sum(seq.scheduled_token_ids()[0] == PLACEHOLDER for seq in seqs), len(seqs)))
+        inflight = sum(seq.scheduled_token_ids()[0] == PLACEHOLDER for seq in seqs)
+        counts.append((inflight, len(seqs)))
         return prepare(seqs, *args)
 
     llm.model_runner.inputs.prepare_decode = spy
     return counts
 
 
-def test_decode_is_launched_before_the_previous_tokens_reach_the_host(tiny_model, prompts, hf_reference):
+def test_decode_is_launched_before_the_previous_tokens_reach_the_host(tiny_model, prompts,
+                                                                      hf_reference):
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
         counts = count_inflight_inputs(llm)
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -172,17 +178,19 @@ def test_decode_is_launched_before_the_previous_tokens_reach_the_host(tiny_model
 
 
 def test_penalties_count_the_tokens_still_in_flight(tiny_model, prompts):
-    """Penalised rows overlap too: the token history gets its in-flight last token on the device. The
-    tokens equal a reference that applies the penalties to transformers' logits step by step."""
-    penalised = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5,
-                               frequency_penalty=0.4, presence_penalty=0.3)
+    """Penalised rows overlap too (the history gets its in-flight token on the device), and match
+    penalties applied to transformers' logits step by step."""
+    penalised = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                               repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3)
     plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
         counts = count_inflight_inputs(llm)
-        outputs = llm.generate(prompts[:4], [penalised, plain, penalised, penalised], use_tqdm=False)
+        outputs = llm.generate(prompts[:4], [penalised, plain, penalised, penalised],
+                               use_tqdm=False)
     assert counts and all(inflight == batch for inflight, batch in counts)
     assert outputs[1]["token_ids"] == hf_greedy(tiny_model, prompts[1], 10)
-    for prompt, out in zip([prompts[0], prompts[2], prompts[3]], [outputs[0], outputs[2], outputs[3]]):
+    for i in (0, 2, 3):
+        prompt, out = prompts[i], outputs[i]
         assert out["token_ids"] == penalised_greedy(tiny_model, prompt, penalised)
 
 
@@ -193,7 +201,8 @@ def penalised_greedy(model_path: str, prompt: list[int], params: SamplingParams)
         for _ in range(params.max_tokens):
             logits = model(torch.tensor([tokens])).logits[0, -1:].float()
             apply_penalties(logits, torch.tensor([tokens]), torch.tensor([[len(prompt)]]),
-                            torch.tensor([params.repetition_penalty]), torch.tensor([params.frequency_penalty]),
+                            torch.tensor([params.repetition_penalty]),
+                            torch.tensor([params.frequency_penalty]),
                             torch.tensor([params.presence_penalty]))
             tokens.append(int(logits.argmax()))
     return tokens[len(prompt):]

@@ -1,5 +1,5 @@
-"""vLLM's sampling, stopping and output features end to end on the tiny model: filters and seeds
-through LLM.generate, min_tokens, stop ids and strings, logprobs against transformers, chat, stream."""
+"""vLLM's sampling, stopping and output features end to end: filters, seeds, min_tokens, stop ids
+and strings, logprobs against transformers, chat, stream."""
 
 import pytest
 import torch
@@ -35,7 +35,8 @@ def generate(llm, prompts, params):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("controls", [{"top_k": 1}, {"top_p": 1e-6}, {"top_k": 1, "top_p": 0.5, "min_p": 0.9}])
+@pytest.mark.parametrize("controls", [{"top_k": 1}, {"top_p": 1e-6},
+                                      {"top_k": 1, "top_p": 0.5, "min_p": 0.9}])
 def test_tightest_filters_generate_the_greedy_tokens(llm, prompts, hf_reference, controls):
     params = SamplingParams(temperature=1.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, **controls)
     assert [o["token_ids"] for o in generate(llm, prompts[:5], params)] == hf_reference[:5]
@@ -45,16 +46,19 @@ def test_same_seed_same_tokens_in_any_batch(llm, prompts):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     alone = generate(llm, [prompts[2]], seeded)[0]["token_ids"]
     others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (3, 20, 9)]
+    seed_99 = SamplingParams(temperature=0.8, seed=99, max_tokens=12)
     crowded = generate(llm, [prompts[0], prompts[4], prompts[2], prompts[1]],
-                       [others[0], SamplingParams(temperature=0.8, seed=99, max_tokens=12), seeded, others[1]])
+                       [others[0], seed_99, seeded, others[1]])
     assert crowded[2]["token_ids"] == alone
     assert generate(llm, [prompts[2], prompts[2]], [others[2], seeded])[1]["token_ids"] == alone
-    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=16, ignore_eos=True)
+    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=16,
+                                ignore_eos=True)
     assert generate(llm, [prompts[2]], other_seed)[0]["token_ids"] != alone
 
 
-def hf_greedy_masked(prompt: list[int], banned: int, min_tokens: int, max_tokens: int, model_path: str) -> list[int]:
-    """transformers' greedy decoding with `banned` masked for the first min_tokens tokens, until it appears."""
+def hf_greedy_masked(prompt: list[int], banned: int, min_tokens: int, max_tokens: int,
+                     model_path: str) -> list[int]:
+    """transformers' greedy tokens, `banned` masked for min_tokens tokens, up to its appearance."""
     model, ids, out = _hf_model(model_path), list(prompt), []
     with torch.no_grad():
         while len(out) < max_tokens:
@@ -69,11 +73,13 @@ def hf_greedy_masked(prompt: list[int], banned: int, min_tokens: int, max_tokens
 
 
 @pytest.mark.parametrize("as_eos", [True, False])
-def test_min_tokens_holds_back_eos_and_stop_ids(llm, tiny_model, prompts, hf_reference, eos_is, as_eos):
+def test_min_tokens_holds_back_eos_and_stop_ids(llm, tiny_model, prompts, hf_reference, eos_is,
+                                                as_eos):
     # A prompt whose second greedy token, masked for 5 tokens, is still produced later on.
     prompt, stop, expected = next(
         (prompt, ref[1], masked) for prompt, ref in zip(prompts, hf_reference)
-        if (masked := hf_greedy_masked(prompt, ref[1], 5, NUM_NEW_TOKENS, tiny_model))[-1] == ref[1])
+        if (masked := hf_greedy_masked(prompt, ref[1], 5, NUM_NEW_TOKENS, tiny_model))[-1]
+        == ref[1])
     if as_eos:
         eos_is(stop)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=5,
@@ -92,20 +98,26 @@ def test_stop_token_ids_end_generation(llm, prompts, hf_reference):
     assert out["token_ids"] == ref[:first + 1]
     assert (out["finish_reason"], out["stop_reason"]) == ("stop", stop)
     decode = llm.tokenizer.decode
-    assert out["text"] == decode(ref[:first], skip_special_tokens=True)  # the stop id's text left out
+    assert out["text"] == decode(ref[:first], skip_special_tokens=True)  # without the stop id
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, stop_token_ids=[stop],
                             include_stop_str_in_output=True, skip_special_tokens=False)
     assert generate(llm, [prompts[3]], params)[0]["text"] == decode(ref[:first + 1])
 
 
 def ascii_stop_string(llm, prompt, twice: bool = False) -> tuple[str, str, list[int], int]:
-    """A two-character ASCII stop string (two tokens for the byte tokenizer) from the middle of the
-    greedy continuation, two different characters or (`twice`) one that occurs again later; returns
-    it, the full greedy text and tokens, and the number of tokens up to its first occurrence's end."""
+    """A two-character ASCII stop string (two tokens) from the greedy text, of two different
+    characters or (`twice`) occurring again later: (it, the text, the tokens, the number of tokens
+    up to its first end)."""
     (ref,) = generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     text, tokens = ref["text"], ref["token_ids"]
-    stop = next((text[i:i + 2] for i in range(4, len(text) - 1) if text[i:i + 2].isascii() and (
-        text.find(text[i:i + 2], text.find(text[i:i + 2]) + 1) != -1 if twice else text[i] != text[i + 1])), None)
+
+    def fits(pair: str, i: int) -> bool:
+        if twice:
+            return text.find(pair, text.find(pair) + 1) != -1
+        return text[i] != text[i + 1]
+
+    stop = next((text[i:i + 2] for i in range(4, len(text) - 1)
+                 if text[i:i + 2].isascii() and fits(text[i:i + 2], i)), None)
     assert stop is not None, f"no ASCII pair in {text!r}"
     decode = llm.tokenizer.decode
     n = next(n for n in range(len(tokens)) if stop in decode(tokens[:n], skip_special_tokens=True))
@@ -122,30 +134,34 @@ def test_stop_string_split_across_tokens(llm, prompts, include):
     assert (out["finish_reason"], out["stop_reason"]) == ("stop", stop)
     assert out["text"] == (text[:at + len(stop)] if include else text[:at])
     assert out["token_ids"] == tokens[:n]  # ended at the token completing the stop string...
-    assert stop[0] in llm.tokenizer.decode(tokens[:n - 1], skip_special_tokens=True)[at:]  # ...split over two
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks  # its blocks were freed
+    before = llm.tokenizer.decode(tokens[:n - 1], skip_special_tokens=True)
+    assert stop[0] in before[at:]  # ...split over two
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks  # freed
 
 
 def test_stop_string_respects_min_tokens(llm, prompts):
     stop, text, tokens, n = ascii_stop_string(llm, prompts[1], twice=True)
-    (out,) = generate(llm, [prompts[1]], SamplingParams(temperature=0, max_tokens=48, stop=stop, min_tokens=n))
-    # The first occurrence lies within the first min_tokens tokens: only a match ending later counts.
+    (out,) = generate(llm, [prompts[1]], SamplingParams(temperature=0, max_tokens=48, stop=stop,
+                                                        min_tokens=n))
+    # The first occurrence ends within min_tokens tokens: only a later one counts.
     later = text.find(stop, text.find(stop) + 1)
     assert (out["finish_reason"], out["stop_reason"], out["text"]) == ("stop", stop, text[:later])
     assert len(out["token_ids"]) > n and out["token_ids"] == tokens[:len(out["token_ids"])]
-    (out,) = generate(llm, [prompts[1]], SamplingParams(temperature=0, max_tokens=48, stop=stop, min_tokens=n - 1))
-    assert (out["text"], out["token_ids"]) == (text[:text.find(stop)], tokens[:n])  # the first one counts
+    (out,) = generate(llm, [prompts[1]], SamplingParams(temperature=0, max_tokens=48, stop=stop,
+                                                        min_tokens=n - 1))
+    assert (out["text"], out["token_ids"]) == (text[:text.find(stop)], tokens[:n])  # the first
 
 
 def test_logprobs_match_transformers(llm, tiny_model, prompts):
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5),
-              SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, logprobs=2, seed=5, top_k=40,
-                             repetition_penalty=1.3)]
+              SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, logprobs=2, seed=5,
+                             top_k=40, repetition_penalty=1.3)]
     outputs = generate(llm, [prompts[2], prompts[3]], params)
     model = _hf_model(tiny_model)
     for prompt, p, out in zip([prompts[2], prompts[3]], params, outputs):
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + out["token_ids"][:-1]])).logits[0, len(prompt) - 1:]
+            ids = torch.tensor([prompt + out["token_ids"][:-1]])
+            logits = model(ids).logits[0, len(prompt) - 1:]
         reference = torch.log_softmax(logits.float(), dim=-1)  # [6, vocab]
         assert len(out["logprobs"]) == 6
         total = 0.0
@@ -163,11 +179,13 @@ def test_chat_applies_the_template(llm, monkeypatch):
     conversations = [[{"role": "user", "content": "héllo"}],
                      [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                       {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}]]
-    expected = [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"] for c in conversations]
-    assert expected[0][-1] != llm.tokenizer.encode("héllo")[-1]  # the template added the assistant turn
+    expected = [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"]
+                for c in conversations]
+    assert expected[0][-1] != llm.tokenizer.encode("héllo")[-1]  # the assistant turn was opened
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     replies = llm.chat(conversations, params, use_tqdm=False)
-    assert [r["token_ids"] for r in replies] == [o["token_ids"] for o in generate(llm, expected, params)]
+    generated = generate(llm, expected, params)
+    assert [r["token_ids"] for r in replies] == [o["token_ids"] for o in generated]
     assert llm.chat(conversations[1], params, use_tqdm=False)[0] == replies[1]  # one conversation
     seen = []
     monkeypatch.setattr(llm, "generate", lambda prompts, *args: seen.extend(prompts))
@@ -195,21 +213,24 @@ def test_stream_concatenates_to_generate(llm, prompts):
     batch = [prompts[1], prompts[0], prompts[5], prompts[1]]
     params = [SamplingParams(temperature=0, max_tokens=40, stop=stop),
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, skip_special_tokens=False),
-              SamplingParams(temperature=0, max_tokens=40, stop=stop, include_stop_str_in_output=True)]
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                             skip_special_tokens=False),
+              SamplingParams(temperature=0, max_tokens=40, stop=stop,
+                             include_stop_str_in_output=True)]
     expected = generate(llm, batch, params)
     streamed = collect(llm.stream(batch, params))
     for i, out in enumerate(expected):
         got = streamed[i]
         assert (got["text"], got["token_ids"]) == (out["text"], out["token_ids"]), i
-        assert (got["finish_reason"], got["stop_reason"], got["done"]) == (out["finish_reason"], out["stop_reason"], 1)
+        assert (got["finish_reason"], got["stop_reason"], got["done"]) == (
+            out["finish_reason"], out["stop_reason"], 1)
     assert expected[0]["stop_reason"] == stop and expected[1]["finish_reason"] == "length"
     assert llm.scheduler.is_finished()
 
 
 def test_stream_never_splits_a_character(llm, monkeypatch):
-    """Force the output to be non-ASCII text (a bias on the scripted token at each step): every delta
-    is whole characters, even though é is two tokens and ✓ three."""
+    """Force the output to be non-ASCII text (a bias on the scripted token at each step): every
+    delta is whole characters, even though é is two tokens and ✓ three."""
     target = "héllo wörld ✓ 日本"
     script = llm.tokenizer.encode(target)
     assert len(script) > len(target) + 5
@@ -226,7 +247,8 @@ def test_stream_never_splits_a_character(llm, monkeypatch):
     out = collect(llm.stream(["prompt"], SamplingParams(temperature=0, max_tokens=len(script))))[0]
     assert out["text"] == target and out["token_ids"] == script
     assert all("\ufffd" not in delta for delta in out["deltas"])
-    assert sum(delta == "" for delta in out["deltas"]) >= len(script) - len(target)  # bytes held back
+    held_back = sum(delta == "" for delta in out["deltas"])
+    assert held_back >= len(script) - len(target)
 
 
 class WithoutRustBackend:
@@ -239,16 +261,19 @@ class WithoutRustBackend:
 def test_both_detokenizers_emit_whole_characters_and_the_full_decode(llm):
     tok = llm.tokenizer
     valid = tok.encode("✓")[-1:] + tok.encode("héllo wörld ✓ 日本") + [258] + tok.encode("ok")
-    broken = tok.encode("é")[:1] + tok.encode("x") + tok.encode("✓")[:2]  # a lone lead byte, a cut-short tail
+    # A lone lead byte, a cut-short tail.
+    broken = tok.encode("é")[:1] + tok.encode("x") + tok.encode("✓")[:2]
     deltas = {}
     for name, tokenizer in [("rust", tok), ("window", WithoutRustBackend(tok))]:
         # The prompt ends inside a character, whose missing byte the output starts with.
-        detokenizer = IncrementalDetokenizer(tokenizer, tok.encode("prompt ✓")[:-1], SamplingParams())
+        prompt = tok.encode("prompt ✓")[:-1]
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
         assert type(detokenizer.decoder) is (StreamDecoder if name == "rust" else WindowDecoder)
         deltas[name] = []
         for i, token_id in enumerate(valid + broken):
             before = detokenizer.text
-            detokenizer.update(token_id, finished=i == len(valid + broken) - 1, stop_terminated=False)
+            detokenizer.update(token_id, finished=i == len(valid + broken) - 1,
+                               stop_terminated=False)
             deltas[name].append(detokenizer.text[len(before):])
         assert detokenizer.text == tok.decode(valid + broken, skip_special_tokens=True)
     assert deltas["rust"] == deltas["window"]
@@ -267,7 +292,8 @@ def test_closing_a_stream_early_frees_its_requests(llm, prompts):
 
 
 def test_request_validation_is_atomic(llm, prompts):
-    with pytest.raises(ValueError, match=r"sampling_params\[1\].stop_token_ids has 320 outside the vocabulary"):
+    with pytest.raises(ValueError,
+                       match=r"sampling_params\[1\].stop_token_ids has 320 outside the vocabulary"):
         llm.stream(prompts[:2], [GREEDY, SamplingParams(stop_token_ids=[5, 320])])
     with pytest.raises(TypeError, match="temperature must be a float"):
         llm.generate(prompts[:2], [GREEDY, SamplingParams(temperature=None)])

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error before anything is queued; the engine never hangs or leaks a block."""
+"""Bad input gets a clear error before anything is queued; the engine never hangs nor leaks."""
 
 import json
 import os
@@ -46,7 +46,8 @@ def test_unsupported_architecture(tiny_model, tmp_path):
     config["architectures"] = ["GPT2LMHeadModel"]
     with open(config_path, "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\].*Qwen3ForCausalLM"):
+    with pytest.raises(ValueError,
+                       match=r"unsupported architecture \['GPT2LMHeadModel'\].*Qwen3ForCausalLM"):
         LLM(path)
 
 
@@ -61,12 +62,14 @@ def _edit_weights(tiny_model, tmp_path, edit) -> str:
 
 def test_missing_tensor_is_named(tiny_model, tmp_path):
     path = _edit_weights(tiny_model, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"missing tensors for: model.layers.1.mlp.gate_up_proj.weight \(shard 1\)"):
+    with pytest.raises(ValueError, match=r"missing tensors for: "
+                       r"model.layers.1.mlp.gate_up_proj.weight \(shard 1\)"):
         LLM(path, num_kvcache_blocks=8)
 
 
 def test_unexpected_tensor_is_named(tiny_model, tmp_path):
-    path = _edit_weights(tiny_model, tmp_path, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}))
+    path = _edit_weights(tiny_model, tmp_path,
+                         lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}))
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.extra.weight'"):
         LLM(path, num_kvcache_blocks=8)
 
@@ -77,7 +80,8 @@ def test_shape_mismatch_is_named(tiny_model, tmp_path):
         tensors[name] = tensors[name][:, :8].clone()
 
     path = _edit_weights(tiny_model, tmp_path, shrink)
-    with pytest.raises(ValueError, match=r"cannot load 'model.layers.0.self_attn.o_proj.weight'.*shape mismatch"):
+    with pytest.raises(ValueError, match=r"cannot load 'model.layers.0.self_attn.o_proj.weight'"
+                       r".*shape mismatch"):
         LLM(path, num_kvcache_blocks=8)
 
 
@@ -88,24 +92,29 @@ def test_no_safetensors(tiny_model, tmp_path):
         LLM(path, num_kvcache_blocks=8)
 
 
-# ---- options ----------------------------------------------------------------------------------
-
 @pytest.mark.parametrize("options,error,message", [
-    ({"max_num_seqz": 4}, TypeError, "unknown option 'max_num_seqz'; valid options are: max_num_batched_tokens"),
+    ({"max_num_seqz": 4}, TypeError,
+     "unknown option 'max_num_seqz'; valid options are: max_num_batched_tokens"),
     ({"max_num_seqs": "8"}, TypeError, "max_num_seqs must be an int, got '8'"),
     ({"enforce_eager": 1}, TypeError, "enforce_eager must be a bool"),
     ({"kvcache_block_size": 24}, ValueError, "kvcache_block_size must be a power of two, got 24"),
-    ({"gpu_memory_utilization": 0}, ValueError, r"gpu_memory_utilization must be in \(0, 1\], got 0"),
-    ({"gpu_memory_utilization": 1.5}, ValueError, r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+    ({"gpu_memory_utilization": 0}, ValueError,
+     r"gpu_memory_utilization must be in \(0, 1\], got 0"),
+    ({"gpu_memory_utilization": 1.5}, ValueError,
+     r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
     ({"max_num_batched_tokens": 0}, ValueError, "max_num_batched_tokens must be >= 1, got 0"),
-    ({"num_kvcache_blocks": 0}, ValueError, "num_kvcache_blocks must be -1 \\(auto\\) or a positive int, got 0"),
+    ({"num_kvcache_blocks": 0}, ValueError,
+     "num_kvcache_blocks must be -1 \\(auto\\) or a positive int, got 0"),
     ({"tensor_parallel_size": 9}, ValueError, "tensor_parallel_size must be in 1..8, got 9"),
-    ({"tensor_parallel_size": 3}, ValueError, "tensor_parallel_size=3 does not divide num_attention_heads=4"),
+    ({"tensor_parallel_size": 3}, ValueError,
+     "tensor_parallel_size=3 does not divide num_attention_heads=4"),
     ({"device": "tpu"}, ValueError, "device='tpu' is not one of"),
     ({"attention_backend": "flash_attn", "device": "cpu"}, ValueError, "needs device='cuda'"),
-    ({"kv_cache_dtype": "fp16"}, ValueError, r"kv_cache_dtype='fp16' is not one of \('auto', 'fp8'\)"),
+    ({"kv_cache_dtype": "fp16"}, ValueError,
+     r"kv_cache_dtype='fp16' is not one of \('auto', 'fp8'\)"),
     ({"kv_cache_dtype": "fp8", "attention_backend": "flash_attn"}, ValueError,
-     "kv_cache_dtype='fp8' needs attention_backend='triton' .* flash-attn cannot read an fp8 KV cache"),
+     "kv_cache_dtype='fp8' needs attention_backend='triton' .* "
+     "flash-attn cannot read an fp8 KV cache"),
 ])
 def test_bad_options(tiny_model, options, error, message):
     with pytest.raises(error, match=message):
@@ -113,11 +122,10 @@ def test_bad_options(tiny_model, options, error, message):
 
 
 def test_max_model_len_is_capped_by_the_checkpoint(tiny_model):
-    with LLM(tiny_model, max_model_len=100_000, num_kvcache_blocks=8, kvcache_block_size=16) as engine:
-        assert engine.config.max_model_len == 1024  # the tiny checkpoint's max_position_embeddings
+    with LLM(tiny_model, max_model_len=100_000, num_kvcache_blocks=8,
+             kvcache_block_size=16) as engine:
+        assert engine.config.max_model_len == 1024  # the checkpoint's max_position_embeddings
 
-
-# ---- sampling params and prompts --------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"temperature": -0.1}, ValueError, "temperature must be >= 0"),
@@ -133,14 +141,16 @@ def test_bad_sampling_params(kwargs, error, message):
 @pytest.mark.parametrize("prompts,params,error,message", [
     (["ok", ""], GREEDY, ValueError, "prompt 1 is empty"),
     ([[1, 2], []], GREEDY, ValueError, "prompt 1 is empty"),
-    ([[1, 320]], GREEDY, ValueError, r"prompt 0 has token id 320 outside the vocabulary \[0, 320\)"),
+    ([[1, 320]], GREEDY, ValueError,
+     r"prompt 0 has token id 320 outside the vocabulary \[0, 320\)"),
     ([[1, -1]], GREEDY, ValueError, r"prompt 0 has token id -1 outside the vocabulary"),
     ([[1, 2.0]], GREEDY, ValueError, "prompt 0 has token id 2.0"),
     (["ok", [1, 2]], GREEDY, TypeError, "all str or all token-id lists"),
     (42, GREEDY, TypeError, "prompts must be a str, a list of str, or a list of token-id lists"),
     (["a", "b"], [GREEDY], ValueError, "got 1 sampling params for 2 prompts"),
     (["a"], {"temperature": 0}, TypeError, "sampling_params must be a SamplingParams"),
-    ([[1] * 129], GREEDY, ValueError, r"prompt 0: prompt length 129 \+ max_tokens 8 = 137 exceeds max_model_len=128"),
+    ([[1] * 129], GREEDY, ValueError,
+     r"prompt 0: prompt length 129 \+ max_tokens 8 = 137 exceeds max_model_len=128"),
     ([[1] * 100], SamplingParams(max_tokens=29), ValueError, "= 129 exceeds max_model_len=128"),
 ])
 def test_bad_requests_are_rejected_before_anything_is_queued(llm, prompts, params, error, message):
@@ -165,7 +175,8 @@ def test_engine_keeps_working_with_its_prefix_cache_after_a_bad_batch(llm, promp
 
 def test_request_larger_than_the_pool_is_rejected_with_the_numbers(tiny_model):
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=4) as engine:
-        with pytest.raises(ValueError, match="needs 5 KV blocks of 16 tokens .* but the pool has only 4"):
+        with pytest.raises(ValueError,
+                           match="needs 5 KV blocks of 16 tokens .* but the pool has only 4"):
             engine.generate([[1] * 60], SamplingParams(max_tokens=20), use_tqdm=False)
         assert engine.scheduler.is_finished()
 
@@ -180,8 +191,6 @@ def test_batch_three_times_the_pool_completes_identically(tiny_model, prompts):
         assert small.scheduler.block_manager.num_free_blocks == 6
     assert outputs == expected
 
-
-# ---- lifecycle -------------------------------------------------------------------------------
 
 def test_a_second_live_engine_in_one_process_is_refused(llm, tiny_model):
     with pytest.raises(RuntimeError, match="another LLM is still alive in this process"):

@@ -1,7 +1,7 @@
 """Scheduler: exact batches, queues and block tables, driven by a fake model.
 
-The fake model samples `fake_token(seq)`, a function of the prompt's first token and the position, so
-a sequence's output does not depend on how it was scheduled (chunked, preempted, re-prefilled).
+The fake model samples `fake_token(seq)`, a function of the prompt's first token and the position,
+so a sequence's output does not depend on how it was scheduled (chunked, preempted, re-prefilled).
 """
 
 from dataclasses import dataclass
@@ -20,14 +20,16 @@ def fake_token(seq: Sequence) -> int:
     return 1000 * seq.token_ids[0] + seq.num_tokens
 
 
-def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256) -> Scheduler:
-    return Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks, BLOCK_SIZE, {EOS})
+def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
+                   max_model_len=256) -> Scheduler:
+    return Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks, BLOCK_SIZE,
+                     {EOS})
 
 
 def add(sched: Scheduler, tokens, max_tokens=6, ignore_eos=False) -> Sequence:
     sched.check_fits(len(tokens), max_tokens)
-    seq = Sequence(list(tokens), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos),
-                   BLOCK_SIZE)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    seq = Sequence(list(tokens), params, BLOCK_SIZE)
     sched.add(seq)
     return seq
 
@@ -130,8 +132,9 @@ def test_a_prompt_with_cached_prefix_computes_only_the_rest():
 
 
 # Pool of 4 blocks, 4 sequences running: decode preempts from the tail of running, the victim is
-# re-prefilled later with its generated tokens (minus blocks still cached) and continues.
-# Rows: is_prefill, [(name, num_cached_tokens, num_scheduled_tokens)], preempted, waiting, running, finished.
+# re-prefilled later with its generated tokens (minus blocks still cached) and continues. Rows:
+# is_prefill, [(name, num_cached_tokens, num_scheduled_tokens)], preempted, waiting, running,
+# finished.
 PREEMPTION_TRACE = [
     (True, [("a", 0, 4), ("b", 0, 4), ("c", 0, 4), ("d", 0, 2)], "", "", "abcd", ""),
     (False, [("a", 4, 1), ("b", 4, 1)], "cd", "cd", "ab", ""),  # a preempts d, then b preempts c
@@ -139,8 +142,8 @@ PREEMPTION_TRACE = [
     (False, [("a", 6, 1), ("b", 6, 1)], "", "cd", "ab", ""),
     (False, [("a", 7, 1), ("b", 7, 1)], "", "cd", "ab", ""),
     (False, [("a", 8, 1)], "b", "bcd", "", "a"),
-    (True, [("b", 4, 5)], "", "cd", "", "b"),  # b's first block is revived, its second was reused
-    (True, [("c", 0, 5), ("d", 0, 3)], "", "", "cd", ""),  # prompt + 1 generated, c's block was reused
+    (True, [("b", 4, 5)], "", "cd", "", "b"),  # b's first block revived, its second reused
+    (True, [("c", 0, 5), ("d", 0, 3)], "", "", "cd", ""),  # prompt + 1 generated; c's block reused
     (False, [("c", 5, 1), ("d", 3, 1)], "", "", "cd", ""),
     (False, [("c", 6, 1), ("d", 4, 1)], "", "", "cd", ""),
     (False, [("c", 7, 1), ("d", 5, 1)], "", "", "cd", ""),
@@ -155,21 +158,24 @@ def test_preemption_trace():
     seqs["d"] = add(sched, [13, 14])
     names = {id(seq): name for name, seq in seqs.items()}
     spell = lambda queue: "".join(names[id(seq)] for seq in queue)
-    for row, (is_prefill, scheduled, preempted, waiting, running, finished) in enumerate(PREEMPTION_TRACE):
+    for row, expected in enumerate(PREEMPTION_TRACE):
+        is_prefill, scheduled, preempted, waiting, running, finished = expected
         s = step(sched)
-        got = [(names[id(seq)], cached, n) for (seq, n), cached in zip(s.scheduled, s.cached, strict=True)]
+        got = [(names[id(seq)], cached, n)
+               for (seq, n), cached in zip(s.scheduled, s.cached, strict=True)]
         assert (s.is_prefill, got) == (is_prefill, scheduled), row
-        assert (spell(s.preempted), spell(sched.waiting), spell(sched.running), spell(s.finished)) == \
-            (preempted, waiting, running, finished), row
+        assert (spell(s.preempted), spell(sched.waiting), spell(sched.running),
+                spell(s.finished)) == (preempted, waiting, running, finished), row
         if row == 1:
             for victim in (seqs["c"], seqs["d"]):
                 assert victim.status == SequenceStatus.WAITING
                 assert victim.block_table == [] and victim.num_cached_tokens == 0
                 assert victim.completion_token_ids == expected_completion(victim, 1)
-            assert seqs["a"].block_table == [0, 3] and seqs["b"].block_table == [1, 2]  # the freed blocks
+            assert seqs["a"].block_table == [0, 3] and seqs["b"].block_table == [1, 2]  # freed ones
     assert sched.is_finished()
     for seq in seqs.values():
-        assert seq.completion_token_ids == expected_completion(seq, 6) and seq.finish_reason == "length"
+        assert seq.completion_token_ids == expected_completion(seq, 6)
+        assert seq.finish_reason == "length"
 
 
 def test_preempted_sequences_finish_exactly_as_with_a_big_pool():
@@ -190,7 +196,8 @@ def test_max_tokens_finishes_with_length_and_frees_blocks():
     b = add(sched, range(10, 15), max_tokens=5)
     steps = [step(sched) for _ in range(3)]
     assert [s.finished for s in steps] == [[], [], [a]]
-    assert a.status == SequenceStatus.FINISHED and a.block_table == [] and list(sched.running) == [b]
+    assert a.status == SequenceStatus.FINISHED and a.block_table == []
+    assert list(sched.running) == [b]
     assert sched.block_manager.num_free_blocks == 8 - len(b.block_table)
     steps = run_to_end(sched)
     assert [s.finished for s in steps] == [[], [b]]
@@ -238,7 +245,8 @@ def test_ignore_eos_keeps_going_to_max_tokens():
 def test_check_fits_rejects_a_request_beyond_max_model_len():
     sched = make_scheduler(max_model_len=16)
     sched.check_fits(10, 6)
-    with pytest.raises(ValueError, match=r"prompt length 10 \+ max_tokens 7 = 17 exceeds max_model_len=16"):
+    with pytest.raises(ValueError,
+                       match=r"prompt length 10 \+ max_tokens 7 = 17 exceeds max_model_len=16"):
         sched.check_fits(10, 7)
 
 

@@ -1,11 +1,8 @@
-"""Property-based test: random workloads through Scheduler + BlockManager, invariants after every step.
+"""Random workloads through Scheduler + BlockManager, with invariants checked after every step.
 
-The fake model samples a deterministic pseudo-random token for (request, position), so a request's
-output does not depend on scheduling, and it plays the KV cache: each slot holds the prefix whose last
-token it encodes, so a step that reads a stale, foreign or missing slot fails. Workloads run both
-synchronously and pipelined as the engine runs them (step N + 1 committed before step N's tokens are
-postprocessed), where the model computes with the true tokens that the placeholders stand for.
-"""
+The fake model's token depends on (request, position) alone, and its KV slots hold the prefix they
+encode, so reading a stale, foreign or missing slot fails. Workloads run synchronously and pipelined
+(step N + 1 committed before step N is postprocessed)."""
 
 import random
 from collections import deque
@@ -70,15 +67,17 @@ def workloads(draw) -> Workload:
     requests = []
     for _ in range(draw(st.integers(1, 12))):
         prompt = (draw(st.sampled_from([[], *prefixes])) + draw(tokens))[:60] or [1]
-        requests.append(Request(prompt, max_tokens=draw(st.integers(1, 20)), ignore_eos=draw(st.booleans()),
-                                arrival=draw(st.integers(0, 12))))
+        requests.append(Request(prompt, max_tokens=draw(st.integers(1, 20)),
+                                ignore_eos=draw(st.booleans()), arrival=draw(st.integers(0, 12))))
     max_model_len = draw(st.one_of(st.just(4096), st.integers(2, 80)))
     fitting = [req for req in requests if len(req.prompt) + req.max_tokens <= max_model_len]
     min_blocks = max((blocks_needed(req, block_size) for req in fitting), default=1)
-    spare_blocks = draw(st.one_of(st.integers(0, 2), st.integers(0, 3 * min_blocks + 8)))  # tight or roomy
+    spare_blocks = draw(st.one_of(st.integers(0, 2), st.integers(0, 3 * min_blocks + 8)))
     return Workload(requests, block_size, num_blocks=min_blocks + spare_blocks,
-                    max_num_seqs=draw(st.integers(1, 8)), max_num_batched_tokens=draw(st.integers(1, 64)),
-                    max_model_len=max_model_len, vocab=vocab, eos_rate=draw(st.sampled_from([0.0, 0.1, 0.3])),
+                    max_num_seqs=draw(st.integers(1, 8)),
+                    max_num_batched_tokens=draw(st.integers(1, 64)),
+                    max_model_len=max_model_len, vocab=vocab,
+                    eos_rate=draw(st.sampled_from([0.0, 0.1, 0.3])),
                     seed=draw(st.integers(0, 2**16)))
 
 
@@ -88,18 +87,20 @@ class FakeModel:
         self.bm = scheduler.block_manager
         self.request_of: dict[int, int] = {}  # seq_id -> request index
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block id, offset) -> prefix
-        self.prefixes: dict[int, list[tuple[int, ...]]] = {}  # seq_id -> token_ids[:p + 1] for each p
+        self.prefixes: dict[int, list[tuple[int, ...]]] = {}  # seq_id -> token_ids[:p + 1]
 
     def true_token(self, seq: Sequence, position: int) -> int:
-        """The token at `position`, whether or not the host knows it yet."""
         request = self.request_of[seq.seq_id]
         prompt = self.workload.requests[request].prompt
-        return prompt[position] if position < len(prompt) else self.workload.token(request, position)
+        if position < len(prompt):
+            return prompt[position]
+        return self.workload.token(request, position)
 
     def prefix(self, seq: Sequence, position: int) -> tuple[int, ...]:
         prefixes = self.prefixes.setdefault(seq.seq_id, [])
         while len(prefixes) <= position:
-            prefixes.append((*(prefixes[-1] if prefixes else ()), self.true_token(seq, len(prefixes))))
+            previous = prefixes[-1] if prefixes else ()
+            prefixes.append((*previous, self.true_token(seq, len(prefixes))))
         return prefixes[position]
 
     def slot(self, seq: Sequence, position: int) -> tuple[int, int]:
@@ -113,10 +114,11 @@ class FakeModel:
             assert len(seq.block_table) * self.bm.block_size >= end
             for position in range(seq.num_cached_tokens, end):
                 block = self.bm.blocks[self.slot(seq, position)[0]]
-                assert block.ref_count == 1 and block.hash == NO_HASH, "writing into a shared or cached block"
+                assert block.ref_count == 1 and block.hash == NO_HASH, "writing a shared block"
                 self.slots[self.slot(seq, position)] = self.prefix(seq, position)
             read = [self.slots.get(self.slot(seq, position)) for position in range(end)]
-            assert read == [self.prefix(seq, position) for position in range(end)], "attention reads stale KV"
+            expected = [self.prefix(seq, position) for position in range(end)]
+            assert read == expected, "attention reads stale KV"
         return [self.workload.token(self.request_of[seq.seq_id], seq.num_tokens)
                 for seq in seqs if seq.completes_prefill]
 
@@ -138,10 +140,13 @@ class HashChains:
         return chain
 
 
-def check_pool(scheduler: Scheduler, seqs: list[Sequence], chains: HashChains, launched: CommittedStep | None):
+def check_pool(scheduler: Scheduler, seqs: list[Sequence], chains: HashChains,
+               launched: CommittedStep | None):
     """`launched`: a committed step not yet postprocessed, whose blocks need not be hashed yet."""
     bm = scheduler.block_manager
-    in_flight = dict(zip(map(id, launched.seqs), launched.num_cached_before)) if launched else {}
+    in_flight = {}
+    if launched:
+        in_flight = dict(zip(map(id, launched.seqs), launched.num_cached_before))
     live = list(scheduler.waiting) + list(scheduler.running)
     bm.check_integrity(live)
     assert bm.num_free_blocks + sum(block.ref_count > 0 for block in bm.blocks) == bm.num_blocks
@@ -150,12 +155,14 @@ def check_pool(scheduler: Scheduler, seqs: list[Sequence], chains: HashChains, l
         computed = min(in_flight.get(id(seq), seq.num_cached_tokens), seq.num_cached_tokens)
         for i in range(computed // bm.block_size):  # every full computed block is hashed
             block = bm.blocks[seq.block_table[i]]
-            assert block.hash == chain[i] and block.token_ids == seq.block_tokens(i), (seq.seq_id, i)
+            assert block.hash == chain[i], (seq.seq_id, i)
+            assert block.token_ids == seq.block_tokens(i), (seq.seq_id, i)
     for h, block_id in bm.hash_to_block_id.items():
         assert bm.blocks[block_id].token_ids == chains.tokens_of[h], block_id
 
 
-def check_step(scheduler: Scheduler, seqs: list[Sequence], is_prefill: bool, waiting: list, running: list):
+def check_step(scheduler: Scheduler, seqs: list[Sequence], is_prefill: bool, waiting: list,
+               running: list):
     """`waiting` and `running` as they were before `schedule`."""
     assert len(seqs) <= scheduler.max_num_seqs and len(scheduler.running) <= scheduler.max_num_seqs
     if is_prefill:  # the head of waiting, in order; those that complete their prefill join running
@@ -165,10 +172,9 @@ def check_step(scheduler: Scheduler, seqs: list[Sequence], is_prefill: bool, wai
         assert list(scheduler.running) == running + done
         assert list(scheduler.waiting) == waiting[len(done):]
         if len(done) < len(seqs):  # chunked: only a lone first sequence, cut at the budget
-            assert len(seqs) == 1 and seqs[0].num_scheduled_tokens == scheduler.max_num_batched_tokens
-    else:  # the head of running decodes (one token each, within both budgets), skipping those whose
-        # last token is in flight; the rest waits its turn in running, except victims preempted from
-        # the tail to the head of waiting
+            assert len(seqs) == 1
+            assert seqs[0].num_scheduled_tokens == scheduler.max_num_batched_tokens
+    else:  # the head of running decodes, skipping finished ones; victims go to waiting's head
         assert len(seqs) <= min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         assert all(seq.num_scheduled_tokens == 1 and seq.completes_prefill for seq in seqs)
         done = [seq.num_completion_tokens >= seq.max_tokens for seq in running]
@@ -183,36 +189,38 @@ def check_step(scheduler: Scheduler, seqs: list[Sequence], is_prefill: bool, wai
         assert all(seq.status == SequenceStatus.WAITING and not seq.block_table for seq in victims)
 
 
+def submit(workload: Workload, index: int, scheduler: Scheduler, model: FakeModel,
+           accepted: dict[int, Sequence]):
+    req = workload.requests[index]
+    fits = len(req.prompt) + req.max_tokens <= workload.max_model_len
+    try:
+        scheduler.check_fits(len(req.prompt), req.max_tokens)
+    except ValueError:
+        assert not fits
+        return
+    assert fits
+    params = SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos)
+    seq = Sequence(req.prompt, params, workload.block_size)
+    model.request_of[seq.seq_id] = index
+    accepted[index] = seq
+    scheduler.add(seq)
+
+
 def run_workload(workload: Workload, pipelined: bool):
-    scheduler = Scheduler(workload.max_num_seqs, workload.max_num_batched_tokens, workload.max_model_len,
-                          workload.num_blocks, workload.block_size, {EOS})
+    scheduler = Scheduler(workload.max_num_seqs, workload.max_num_batched_tokens,
+                          workload.max_model_len, workload.num_blocks, workload.block_size, {EOS})
     model = FakeModel(workload, scheduler)
     chains = HashChains(workload.block_size)
     accepted: dict[int, Sequence] = {}  # request index -> sequence
-
-    def submit(index: int):
-        req = workload.requests[index]
-        fits = len(req.prompt) + req.max_tokens <= workload.max_model_len
-        try:
-            scheduler.check_fits(len(req.prompt), req.max_tokens)
-        except ValueError:
-            assert not fits
-            return
-        assert fits
-        params = SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos)
-        seq = Sequence(req.prompt, params, workload.block_size)
-        model.request_of[seq.seq_id] = index
-        accepted[index] = seq
-        scheduler.add(seq)
-
-    pending = deque(sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival))
+    arrivals = [req.arrival for req in workload.requests]
+    pending = deque(sorted(range(len(workload.requests)), key=lambda i: arrivals[i]))
     max_steps = 50 * sum(len(req.prompt) + req.max_tokens for req in workload.requests)
     step = 0
     inflight = None  # (committed step, its tokens) not yet postprocessed
     while pending or not scheduler.is_finished() or inflight is not None:
         while pending and (workload.requests[pending[0]].arrival <= step or
                            (scheduler.is_finished() and inflight is None)):
-            submit(pending.popleft())
+            submit(workload, pending.popleft(), scheduler, model, accepted)
         if scheduler.is_finished() and inflight is None:
             continue
         assert step < max_steps, "a request starves"
@@ -228,19 +236,22 @@ def run_workload(workload: Workload, pipelined: bool):
             inflight, launched = launched, None
         if inflight is not None:
             for seq in scheduler.postprocess(*inflight):
-                assert seq.status == SequenceStatus.FINISHED and not seq.block_table and not seq.num_inflight
+                assert seq.status == SequenceStatus.FINISHED
+                assert not seq.block_table and not seq.num_inflight
                 assert seq not in scheduler.running
             check_pool(scheduler, list(accepted.values()), chains, launched and launched[0])
         inflight = launched
         step += 1
 
     for index, seq in accepted.items():
-        assert (seq.completion_token_ids, seq.finish_reason) == workload.expected_output(index), index
+        got = (seq.completion_token_ids, seq.finish_reason)
+        assert got == workload.expected_output(index), index
     bm = scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(block.ref_count == 0 for block in bm.blocks)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(), st.booleans())
-def test_random_workloads_keep_the_pool_consistent_and_produce_the_model_tokens(workload, pipelined):
+def test_random_workloads_keep_the_pool_consistent_and_produce_the_model_tokens(workload,
+                                                                                pipelined):
     run_workload(workload, pipelined)

@@ -1,4 +1,4 @@
-"""Sequence's compact pickling for worker ranks: only counts, the block table and this step's tokens."""
+"""Sequence's pickling for workers: only counts, the block table and this step's tokens."""
 
 import pickle
 
@@ -11,15 +11,18 @@ def round_trip(seq: Sequence) -> Sequence:
 
 
 def test_prefill_chunk_after_a_cached_prefix():
-    seq = Sequence(list(range(100, 140)), SamplingParams(temperature=0.5, max_tokens=7, stop=["x"]), 16)
+    params = SamplingParams(temperature=0.5, max_tokens=7, stop=["x"])
+    seq = Sequence(list(range(100, 140)), params, 16)
     seq.block_table = [5, 2, 9]
     seq.num_cached_tokens, seq.num_scheduled_tokens = 16, 20  # tokens 16..35 this step
     worker = round_trip(seq)
-    assert (worker.seq_id, worker.num_tokens, worker.num_prompt_tokens, worker.block_size) == (seq.seq_id, 40, 40, 16)
-    assert (worker.num_cached_tokens, worker.num_scheduled_tokens, worker.block_table) == (16, 20, [5, 2, 9])
+    assert (worker.seq_id, worker.num_tokens, worker.num_prompt_tokens,
+            worker.block_size) == (seq.seq_id, 40, 40, 16)
+    assert (worker.num_cached_tokens, worker.num_scheduled_tokens,
+            worker.block_table) == (16, 20, [5, 2, 9])
     assert worker.scheduled_token_ids() == seq.scheduled_token_ids() == list(range(116, 136))
     assert worker.token_ids == list(range(116, 136))  # nothing else of the prompt travels
-    assert not hasattr(worker, "sampling_params")  # rank 0 alone samples
+    assert not hasattr(worker, "sampling_params")
 
 
 def test_decode_sends_only_the_last_token():
@@ -30,7 +33,8 @@ def test_decode_sends_only_the_last_token():
     seq.num_cached_tokens, seq.num_scheduled_tokens = 1002, 1
     worker = round_trip(seq)
     assert worker.scheduled_token_ids() == [9] and worker.token_ids == [9]
-    assert (len(worker), worker.num_completion_tokens, worker.block_table) == (1003, 3, [3, 1, 4, 0])
+    assert (len(worker), worker.num_completion_tokens,
+            worker.block_table) == (1003, 3, [3, 1, 4, 0])
     assert len(pickle.dumps(seq)) < 200  # independent of the 1,003 tokens held on rank 0
 
 

@@ -1,4 +1,4 @@
-"""What the GEMM tests (test_skinny_gemm.py, test_tiled_gemm.py) compare their kernels with."""
+"""The float32 reference the GEMM tests compare their kernels with."""
 
 import torch
 
@@ -6,7 +6,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_inputs(M, N, K, dtype, bias=False, seed=0):
-    """x [M, K], weight [N, K] scaled so y is O(1), bias [N] or None."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
     weight = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEVICE, dtype)
@@ -20,6 +19,6 @@ def reference(x, weight, bias):
 
 
 def check(y, x, weight, bias):
-    """Only the final rounding to 16 bits (plus float32 summation order) separates y from the reference."""
+    """y is the reference up to its rounding to 16 bits and the float32 summation order."""
     assert y.shape == (x.shape[0], weight.shape[0]) and y.dtype == x.dtype
     torch.testing.assert_close(y.float(), reference(x, weight, bias), rtol=2e-3, atol=2e-3)

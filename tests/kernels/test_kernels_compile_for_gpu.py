@@ -1,10 +1,6 @@
-"""Every Triton kernel goes through Triton's front end for an H100/H200 (sm_90) with the GPU's dtypes.
-
-The interpreter that runs the kernels on CPU executes them as Python: it does not type-check them as
-the compiler does (a helper returning fp16 in one branch and bf16 in the other ran on CPU and failed
-to compile on the GPU). Building the kernels' Triton IR needs no GPU, so CI catches such errors. The
-interpreter is switched on for the whole test session (conftest), so the IR is built in a subprocess
-without it: run this file as a script to see the kernels it compiles.
+"""Every Triton kernel goes through Triton's front end for sm_90 with the GPU's dtypes: the CPU
+interpreter does not type-check kernels as the compiler does. Building the IR needs no GPU; it runs
+in a subprocess without the interpreter (run this file as a script to see the kernels it compiles).
 """
 
 import inspect
@@ -14,32 +10,35 @@ import sys
 
 import pytest
 
-# (module, kernel, pointer dtypes by parameter name, float parameters, constexprs) per configuration.
-BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "block_tables_ptr": "*i32",
-                  "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "order_ptr": "*i32",
-                  "split_counts_ptr": "*i32"}
+# A configuration: (module, kernel, pointer dtypes by name, float parameters, constexprs).
+BF16_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
+                  "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+                  "cu_seqlens_q_ptr": "*i32", "order_ptr": "*i32", "split_counts_ptr": "*i32"}
 FP8_ATTENTION = {**BF16_ATTENTION, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
-# The decode kernel's from_qkv arguments (qk_norm_rope.NormRopeInputs): the qkv projection's split-K partials.
-FROM_QKV = {"qkv_ptr": "*fp32", "positions_ptr": "*i64", "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16",
-            "slot_mapping_ptr": "*i64"}
-# stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1 (16-bit V: head_dim; fp8 V: tokens).
-DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32", FP8=False,
-              ORDERED=True, PDL=True, PREFETCH=False, LAST_SPLIT_MERGES=True, MERGE_HEADS=2,
-              FROM_QKV=False, QKV_SPLITS=0, HAS_NORM=False, NUM_KV_HEADS=8, STAGED_V=False, stride_vd=1)
-PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False, PAGED=True,
-               stride_vd=1)
+# The decode kernel's from_qkv arguments: the qkv projection's split-K partials.
+FROM_QKV = {"qkv_ptr": "*fp32", "positions_ptr": "*i64", "q_weight_ptr": "*bf16",
+            "k_weight_ptr": "*bf16", "slot_mapping_ptr": "*i64"}
+# stride_vd / stride_vt: V's unit stride, which Triton specializes as a constant 1.
+DECODE = dict(G=2, G_PAD=16, D=128, PAGE=256, BLOCK_N=64, NUM_SPLITS=4, DOT_PRECISION="tf32",
+              FP8=False, ORDERED=True, PDL=True, PREFETCH=False, LAST_SPLIT_MERGES=True,
+              MERGE_HEADS=2, FROM_QKV=False, QKV_SPLITS=0, HAS_NORM=False, NUM_KV_HEADS=8,
+              stride_vd=1)
+PREFILL = dict(G=2, D=128, PAGE=256, BLOCK_M=128, BLOCK_N=128, DOT_PRECISION="tf32", FP8=False,
+               PAGED=True, stride_vd=1)
 VARLEN = dict(PAGE=0, PAGED=False)  # varlen_prefill_attention: plain K/V, no pages
 FP8_V = dict(FP8=True, stride_vd=None, stride_vt=1)  # merged into a configuration: None drops a key
 STORE = dict(D=1024, BLOCK_D=1024, HEAD_DIM=128, PAGE=256, FP8=False)
-QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-                "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "slot_mapping_ptr": "*i64"}  # k/v_scale_ptr: *fp32
-QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HEADS=8, QKV_SPLITS=0, HAS_NORM=True,
-                               STORE=False, PAGE=256, FP8=False, STAGE_V=False, PDL=True)
+QK_NORM_ROPE = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
+                "v_ptr": "*bf16", "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16",
+                "slot_mapping_ptr": "*i64"}  # k/v_scale_ptr: *fp32
+QK_NORM_ROPE_CONSTEXPRS = dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, HEADS=8, QKV_SPLITS=0,
+                               HAS_NORM=True, STORE=False, PAGE=256, FP8=False, PDL=True)
 SKINNY_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}
-SKINNY = dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, PDL=True, PREFETCH_LINES=4,
-              GATED=False, X_SPLITS=0, X_HEAD_DIM=0, X_GATED=False, X_ROWS=0)
+SKINNY = dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, PDL=True,
+              PREFETCH_LINES=4, GATED=False, X_SPLITS=0, X_HEAD_DIM=0, X_GATED=False, X_ROWS=0)
 NORM_POINTERS = {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
-SAMPLER = {"logits_ptr": "*bf16", "tokens_ptr": "*i64", "arrivals_ptr": "*i32", "out_ptr": "*i64", "seed_ptr": "*i64"}
+SAMPLER = {"logits_ptr": "*bf16", "tokens_ptr": "*i64", "arrivals_ptr": "*i32", "out_ptr": "*i64",
+           "seed_ptr": "*i64"}
 SEARCH = {"logits_ptr": "*bf16", "active_ptr": "*i8", "lo_ptr": "*i32", "arrivals_ptr": "*i32"}
 SEARCH_SIZES = dict(NUM_BUCKETS=16, NUM_BINS=32, BLOCK=512)
 
@@ -52,115 +51,139 @@ def merge(*dicts: dict) -> dict:
     return {k: v for k, v in merged.items() if v is not None}
 
 
-def configurations():
-    import triton.language as tl
-
-    fp16 = dict(FP8_COMPUTE=tl.float16)
+def attention_configurations(fp16: dict) -> dict:
     decode, prefill = "nanovllm.kernels.attention.decode", "nanovllm.kernels.attention.prefill"
-    qk_norm_rope = "nanovllm.kernels.qk_norm_rope"
-    filters = "nanovllm.sampling.filters"
-    skinny = "nanovllm.kernels.gemm.skinny"
+    kv_cache = "nanovllm.kernels.attention.kv_cache"
+    fp8_decode = merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128})
+    from_qkv = {"FROM_QKV": True, "QKV_SPLITS": 4, "HAS_NORM": True}
+    store_pointers = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16",
+                      "v_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"}
+    fp8_caches = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     return {
-        "decode bf16": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**DECODE, **fp16}),
+        "decode bf16": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"],
+                        {**DECODE, **fp16}),
         "decode fp8": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
-                       merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "NUM_SPLITS": 1})),
-        "decode fp8, from qkv": (decode, "_decode_kernel", {**FP8_ATTENTION, **FROM_QKV}, ["sm_scale_log2", "eps"],
-                                 merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "FROM_QKV": True,
-                                                             "QKV_SPLITS": 4, "HAS_NORM": True})),
-        "decode bf16, from qkv": (decode, "_decode_kernel", {**BF16_ATTENTION, **FROM_QKV}, ["sm_scale_log2", "eps"],
-                                  {**DECODE, **fp16, "FROM_QKV": True, "QKV_SPLITS": 4, "HAS_NORM": True}),
+                       {**fp8_decode, "NUM_SPLITS": 1}),
+        "decode fp8, from qkv": (decode, "_decode_kernel", {**FP8_ATTENTION, **FROM_QKV},
+                                 ["sm_scale_log2", "eps"], {**fp8_decode, **from_qkv}),
+        "decode bf16, from qkv": (decode, "_decode_kernel", {**BF16_ATTENTION, **FROM_QKV},
+                                  ["sm_scale_log2", "eps"], {**DECODE, **fp16, **from_qkv}),
         "decode fp8, prefetch": (decode, "_decode_kernel", FP8_ATTENTION, ["sm_scale_log2"],
-                                 merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "PREFETCH": True})),
+                                 {**fp8_decode, "PREFETCH": True}),
         "decode bf16, prefetch": (decode, "_decode_kernel", BF16_ATTENTION, ["sm_scale_log2"],
-                                  {**DECODE, **fp16, "PREFETCH": True, "NUM_SPLITS": 16, "LAST_SPLIT_MERGES": False}),
-        "decode fp8, staged v": (decode, "_decode_kernel", {**FP8_ATTENTION, "slot_mapping_ptr": "*i64",
-                                                            "staged_v_ptr": "*fp8e4nv"}, ["sm_scale_log2"],
-                                 merge(DECODE, fp16, FP8_V, {"G_PAD": 8, "BLOCK_N": 128, "STAGED_V": True})),
-        "decode splits merge": ("nanovllm.kernels.attention.split_softmax", "_merge_kernel", {"out_ptr": "*bf16"}, [],
-                                dict(D=128, NUM_SPLITS=16, PDL=True)),
-        "prefill bf16": (prefill, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"], {**PREFILL, **fp16}),
+                                  {**DECODE, **fp16, "PREFETCH": True, "NUM_SPLITS": 16,
+                                   "LAST_SPLIT_MERGES": False}),
+        "decode splits merge": ("nanovllm.kernels.attention.split_softmax", "_merge_kernel",
+                                {"out_ptr": "*bf16"}, [], dict(D=128, NUM_SPLITS=16, PDL=True)),
+        "prefill bf16": (prefill, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"],
+                         {**PREFILL, **fp16}),
         "prefill fp8": (prefill, "_prefill_kernel", FP8_ATTENTION, ["sm_scale_log2"],
                         merge(PREFILL, fp16, FP8_V, {"BLOCK_M": 64, "BLOCK_N": 128})),
         "prefill varlen": (prefill, "_prefill_kernel", BF16_ATTENTION, ["sm_scale_log2"],
                            merge(PREFILL, fp16, VARLEN)),
         "dequantize fp8": (prefill, "_dequantize_kernel",
-                           {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "k_out_ptr": "*bf16", "v_out_ptr": "*bf16",
-                            "block_tables_ptr": "*i32", "cu_seqlens_k_ptr": "*i32"}, [],
+                           {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "k_out_ptr": "*bf16",
+                            "v_out_ptr": "*bf16", "block_tables_ptr": "*i32",
+                            "cu_seqlens_k_ptr": "*i32"}, [],
                            dict(D=128, PAGE=256, BLOCK_N=64, stride_vt=1)),
-        "store bf16": ("nanovllm.kernels.attention.kv_cache", "_store_kvcache_kernel",
-                       {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
-                        "slot_mapping_ptr": "*i64"}, [], STORE),
-        "store fp8": ("nanovllm.kernels.attention.kv_cache", "_store_kvcache_kernel",
-                      {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
-                       "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64"}, [], {**STORE, "FP8": True}),
-        "sampler": ("nanovllm.sampling.sampler", "_sample_kernel", SAMPLER, [],
-                    dict(FILTERED=False, ROW_SEEDS=False, BLOCK=4096, MAX_CHUNKS=1, FAST_LOG=True)),
-        "sampler, rows split": ("nanovllm.sampling.sampler", "_sample_kernel", SAMPLER, [],
-                                dict(FILTERED=False, ROW_SEEDS=False, BLOCK=1024, MAX_CHUNKS=256, FAST_LOG=True)),
-        "sampler, filtered and seeded": ("nanovllm.sampling.sampler", "_sample_kernel",
-                                         {**SAMPLER, "row_seeds_ptr": "*i64"}, [],
-                                         dict(FILTERED=True, ROW_SEEDS=True, BLOCK=1024, MAX_CHUNKS=4, FAST_LOG=True)),
-        "embedding": ("nanovllm.layers.embed_head", "_embedding_kernel",
-                      {"ids_ptr": "*i64", "weight_ptr": "*bf16", "out_ptr": "*bf16"}, [], dict(BLOCK=1024, PDL=True)),
-        "top-p search pass": (filters, "_search_pass_kernel", SEARCH, [],
-                              dict(FIRST=True, KEY_SHIFT=16, **SEARCH_SIZES)),
-        "top-p search pass, float32": (filters, "_search_pass_kernel", {**SEARCH, "logits_ptr": "*fp32"}, [],
-                                       dict(FIRST=False, KEY_SHIFT=0, **SEARCH_SIZES)),
-        "top-p search pass, one row": (filters, "_search_pass_kernel", SEARCH, [],
-                                       dict(FIRST=True, KEY_SHIFT=16, NUM_BUCKETS=256, NUM_BINS=512, BLOCK=32)),
-        "skinny gemm": (skinny, "_skinny_kernel", SKINNY_POINTERS, [], SKINNY),
-        "skinny gemm, merging decode attention's splits": (
-            skinny, "_skinny_kernel", {**SKINNY_POINTERS, "x_ptr": "*fp32"}, [],
-            {**SKINNY, "HAS_BIAS": False, "SPLIT_K": 8, "X_SPLITS": 16, "X_HEAD_DIM": 128, "X_ROWS": 1}),
-        "skinny gemm, activating gate/up partials": (
-            skinny, "_skinny_kernel", {**SKINNY_POINTERS, "x_ptr": "*fp32"}, [],
-            {**SKINNY, "HAS_BIAS": False, "SPLIT_K": 12, "X_SPLITS": 4, "X_GATED": True, "X_ROWS": 1}),
-        "skinny gemm, gated (SwiGLU)": (
-            skinny, "_skinny_kernel", {**SKINNY_POINTERS, "out_ptr": "*bf16"}, [],
-            {**SKINNY, "HAS_BIAS": False, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 1, "PREFETCH_LINES": 16,
-             "GATED": True}),
-        "skinny split-k reduce": ("nanovllm.kernels.gemm.split_k", "_split_k_reduce_kernel",
-                                  {"b_ptr": "*bf16", "y_ptr": "*bf16"}, [],
-                                  dict(HAS_BIAS=True, BLOCK=1024, SPLIT_K=4, PDL=True)),
-        "rms norm": ("nanovllm.layers.layernorm", "_rms_norm_kernel", NORM_POINTERS, ["eps"],
-                     dict(X_SPLITS=0, HAS_RESIDUAL=True, BLOCK=1024, PDL=True)),
-        "rms norm, no residual": ("nanovllm.layers.layernorm", "_rms_norm_kernel", NORM_POINTERS, ["eps"],
-                                  dict(X_SPLITS=0, HAS_RESIDUAL=False, BLOCK=4096, PDL=False)),
-        "rms norm, split-k sum": ("nanovllm.layers.layernorm", "_rms_norm_kernel", {**NORM_POINTERS, "x_ptr": "*fp32"},
-                                  ["eps"], dict(X_SPLITS=4, HAS_RESIDUAL=True, BLOCK=1024, PDL=True)),
-        "silu and mul": ("nanovllm.layers.activation", "_silu_and_mul_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16"},
-                         [], dict(BLOCK=1024, PDL=True)),
-        "q/k norm + rope": (qk_norm_rope, "_qk_norm_rope_kernel", QK_NORM_ROPE, ["eps"], QK_NORM_ROPE_CONSTEXPRS),
-        "q/k rope only": (qk_norm_rope, "_qk_norm_rope_kernel", QK_NORM_ROPE, ["eps"],  # no norm weights: None
-                          {**QK_NORM_ROPE_CONSTEXPRS, "HAS_NORM": False, "q_weight_ptr": None, "k_weight_ptr": None}),
-        "q/k norm + rope + store": (qk_norm_rope, "_qk_norm_rope_kernel",
-                                    {**QK_NORM_ROPE, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}, ["eps"],
-                                    {**QK_NORM_ROPE_CONSTEXPRS, "STORE": True}),
-        "q/k norm + rope + fp8 store": (qk_norm_rope, "_qk_norm_rope_kernel",
-                                        {**QK_NORM_ROPE, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"},
-                                        ["eps"], {**QK_NORM_ROPE_CONSTEXPRS, "STORE": True, "FP8": True}),
-        "fp8 v store by tiles": (qk_norm_rope, "_store_v_fp8_tiles_kernel",
-                                 {"qkv_ptr": "*bf16", "slot_mapping_ptr": "*i64", "v_cache_ptr": "*fp8e4nv"}, [],
-                                 dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, PAGE=256, TILE=64, PDL=True)),
-        "q/k norm + rope + fp8 store, split-k sum": (qk_norm_rope, "_qk_norm_rope_kernel",
-                                                     {**QK_NORM_ROPE, "qkv_ptr": "*fp32", "k_cache_ptr": "*fp8e4nv",
-                                                      "v_cache_ptr": "*fp8e4nv"}, ["eps"],
-                                                     {**QK_NORM_ROPE_CONSTEXPRS, "HEADS": 1, "QKV_SPLITS": 2,
-                                                      "STORE": True, "FP8": True}),
-        "q/k norm + rope + fp8 store, v staged": (qk_norm_rope, "_qk_norm_rope_kernel",
-                                                  {**QK_NORM_ROPE, "qkv_ptr": "*fp32", "k_cache_ptr": "*fp8e4nv",
-                                                   "v_cache_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}, ["eps"],
-                                                  {**QK_NORM_ROPE_CONSTEXPRS, "HEADS": 1, "QKV_SPLITS": 2,
-                                                   "STORE": True, "FP8": True, "STAGE_V": True}),
+        "store bf16": (kv_cache, "_store_kvcache_kernel", store_pointers, [], STORE),
+        "store fp8": (kv_cache, "_store_kvcache_kernel", {**store_pointers, **fp8_caches}, [],
+                      {**STORE, "FP8": True}),
     }
 
 
-def kernel_source(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict, aligned: bool = False,
-                  divisible: tuple[str, ...] = ()):
-    """Triton's ASTSource of a @triton.jit kernel: pointers as given (others float32), floats fp32,
-    constexprs fixed, other arguments i32. aligned: pointers and strides divisible by 16, as the runtime
-    specializes them for aligned tensors (scripts/kernel_sass.py); so are the integer arguments named in
-    `divisible`, as the runtime specializes an integer that is a multiple of 16 (e.g. a GEMM's K)."""
+def qk_norm_rope_configurations() -> dict:
+    module, kernel = "nanovllm.kernels.qk_norm_rope", "_qk_norm_rope_kernel"
+    fp8_caches = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    fp8_store = {**QK_NORM_ROPE_CONSTEXPRS, "STORE": True, "FP8": True}
+    return {
+        "q/k norm + rope": (module, kernel, QK_NORM_ROPE, ["eps"], QK_NORM_ROPE_CONSTEXPRS),
+        "q/k rope only": (module, kernel, QK_NORM_ROPE, ["eps"],  # no norm weights: None
+                          {**QK_NORM_ROPE_CONSTEXPRS, "HAS_NORM": False, "q_weight_ptr": None,
+                           "k_weight_ptr": None}),
+        "q/k norm + rope + store": (module, kernel, {**QK_NORM_ROPE, "k_cache_ptr": "*bf16",
+                                                     "v_cache_ptr": "*bf16"},
+                                    ["eps"], {**QK_NORM_ROPE_CONSTEXPRS, "STORE": True}),
+        "q/k norm + rope + fp8 store": (module, kernel, {**QK_NORM_ROPE, **fp8_caches}, ["eps"],
+                                        fp8_store),
+        "fp8 v store by tiles": (module, "_store_v_fp8_tiles_kernel",
+                                 {"qkv_ptr": "*bf16", "slot_mapping_ptr": "*i64",
+                                  "v_cache_ptr": "*fp8e4nv"}, [],
+                                 dict(NUM_HEADS=16, NUM_KV_HEADS=8, D=128, PAGE=256, TILE=64,
+                                      PDL=True)),
+        "q/k norm + rope + fp8 store, split-k sum": (module, kernel,
+                                                     {**QK_NORM_ROPE, **fp8_caches,
+                                                      "qkv_ptr": "*fp32"}, ["eps"],
+                                                     {**fp8_store, "HEADS": 1, "QKV_SPLITS": 2}),
+    }
+
+
+def other_configurations() -> dict:
+    filters = "nanovllm.sampling.filters"
+    skinny = "nanovllm.kernels.gemm.skinny"
+    sampler = "nanovllm.sampling.sampler"
+    norm = "nanovllm.kernels.norm"
+    return {
+        "sampler": (sampler, "_sample_kernel", SAMPLER, [],
+                    dict(FILTERED=False, ROW_SEEDS=False, BLOCK=4096, MAX_CHUNKS=1, FAST_LOG=True)),
+        "sampler, rows split": (sampler, "_sample_kernel", SAMPLER, [],
+                                dict(FILTERED=False, ROW_SEEDS=False, BLOCK=1024, MAX_CHUNKS=256,
+                                     FAST_LOG=True)),
+        "sampler, filtered and seeded": (sampler, "_sample_kernel",
+                                         {**SAMPLER, "row_seeds_ptr": "*i64"}, [],
+                                         dict(FILTERED=True, ROW_SEEDS=True, BLOCK=1024,
+                                              MAX_CHUNKS=4, FAST_LOG=True)),
+        "embedding": ("nanovllm.kernels.embedding", "_embedding_kernel",
+                      {"ids_ptr": "*i64", "weight_ptr": "*bf16", "out_ptr": "*bf16"}, [],
+                      dict(BLOCK=1024, PDL=True)),
+        "top-p search pass": (filters, "_search_pass_kernel", SEARCH, [],
+                              dict(FIRST=True, KEY_SHIFT=16, **SEARCH_SIZES)),
+        "top-p search pass, float32": (filters, "_search_pass_kernel",
+                                       {**SEARCH, "logits_ptr": "*fp32"}, [],
+                                       dict(FIRST=False, KEY_SHIFT=0, **SEARCH_SIZES)),
+        "top-p search pass, one row": (filters, "_search_pass_kernel", SEARCH, [],
+                                       dict(FIRST=True, KEY_SHIFT=16, NUM_BUCKETS=256,
+                                            NUM_BINS=512, BLOCK=32)),
+        "skinny gemm": (skinny, "_skinny_kernel", SKINNY_POINTERS, [], SKINNY),
+        "skinny gemm, merging decode attention's splits": (
+            skinny, "_skinny_kernel", {**SKINNY_POINTERS, "x_ptr": "*fp32"}, [],
+            {**SKINNY, "HAS_BIAS": False, "SPLIT_K": 8, "X_SPLITS": 16, "X_HEAD_DIM": 128,
+             "X_ROWS": 1}),
+        "skinny gemm, activating gate/up partials": (
+            skinny, "_skinny_kernel", {**SKINNY_POINTERS, "x_ptr": "*fp32"}, [],
+            {**SKINNY, "HAS_BIAS": False, "SPLIT_K": 12, "X_SPLITS": 4, "X_GATED": True,
+             "X_ROWS": 1}),
+        "skinny gemm, gated (SwiGLU)": (
+            skinny, "_skinny_kernel", {**SKINNY_POINTERS, "out_ptr": "*bf16"}, [],
+            {**SKINNY, "HAS_BIAS": False, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 1,
+             "PREFETCH_LINES": 16, "GATED": True}),
+        "skinny split-k reduce": ("nanovllm.kernels.gemm.split_k", "_split_k_reduce_kernel",
+                                  {"b_ptr": "*bf16", "y_ptr": "*bf16"}, [],
+                                  dict(HAS_BIAS=True, BLOCK=1024, SPLIT_K=4, PDL=True)),
+        "rms norm": (norm, "_rms_norm_kernel", NORM_POINTERS, ["eps"],
+                     dict(X_SPLITS=0, HAS_RESIDUAL=True, BLOCK=1024, PDL=True)),
+        "rms norm, no residual": (norm, "_rms_norm_kernel", NORM_POINTERS, ["eps"],
+                                  dict(X_SPLITS=0, HAS_RESIDUAL=False, BLOCK=4096, PDL=False)),
+        "rms norm, split-k sum": (norm, "_rms_norm_kernel", {**NORM_POINTERS, "x_ptr": "*fp32"},
+                                  ["eps"], dict(X_SPLITS=4, HAS_RESIDUAL=True, BLOCK=1024,
+                                                PDL=True)),
+        "silu and mul": ("nanovllm.kernels.activation", "_silu_and_mul_kernel",
+                         {"x_ptr": "*bf16", "out_ptr": "*bf16"}, [], dict(BLOCK=1024, PDL=True)),
+    }
+
+
+def configurations():
+    import triton.language as tl
+
+    return {**attention_configurations(dict(FP8_COMPUTE=tl.float16)),
+            **other_configurations(), **qk_norm_rope_configurations()}
+
+
+def kernel_source(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict,
+                  aligned: bool = False, divisible: tuple[str, ...] = ()):
+    """Triton's ASTSource of a kernel: pointers as given (others *fp32), floats fp32, constexprs
+    fixed, other arguments i32; with `aligned`, pointers and strides divisible by 16, as are the
+    integers named in `divisible` (as the runtime specializes them)."""
     import importlib
 
     from triton.compiler import ASTSource
@@ -168,7 +191,8 @@ def kernel_source(module: str, kernel: str, pointers: dict, floats: list, conste
     fn = getattr(importlib.import_module(module), kernel)
     names = list(inspect.signature(fn.fn).parameters)
     assert set(constexprs) <= set(names), f"{kernel}: unknown constexpr"
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "*fp32") if name.endswith("_ptr")
+    signature = {name: "constexpr" if name in constexprs
+                 else pointers.get(name, "*fp32") if name.endswith("_ptr")
                  else "fp32" if name in floats else "i32" for name in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
              if name in divisible or (aligned and name not in constexprs
@@ -195,7 +219,8 @@ def build_ir(module: str, kernel: str, pointers: dict, floats: list, constexprs:
 
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                            timeout=300)
     if "no Triton CUDA backend" in result.stdout:
         pytest.skip("this Triton has no CUDA backend to compile with")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,23 +1,20 @@
-"""The Triton RMSNorm, SiLU-and-mul and embedding kernels (used on CUDA) against the torch ops they replace,
-which are the CPU reference; on CPU under Triton's interpreter, with CUDA at Qwen3 shapes in bf16.
-
-RMSNorm: the new residual is exact; the normed value may differ from torch's in the last bit where the
-float32 sum of squares, reduced in another order, moves 1/rms across a rounding boundary. SiLU: the
-kernel's exp may differ from torch's in the last float32 bit, which rarely moves the 16-bit result by
-one ulp.
-"""
+"""The RMSNorm, SiLU-and-mul and embedding kernels against the torch ops (the CPU reference), under
+Triton's interpreter on CPU. Up to one ulp apart, rarely: the norm's float32 sum of squares is
+reduced in another order (the new residual is exact), the kernel's exp is not torch's."""
 
 import dataclasses
 
 import pytest
 import torch
 
+from nanovllm.kernels.activation import silu_and_mul_triton
+from nanovllm.kernels.embedding import embedding_triton
 from nanovllm.kernels.gemm.split_k import SplitKSum, summed
-from nanovllm.layers.activation import SiluAndMul, silu_and_mul, silu_and_mul_triton
-from nanovllm.layers.embed_head import embedding_triton
-from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm, rms_norm_triton
+from nanovllm.kernels.norm import rms_norm_triton
+from nanovllm.layers.activation import SiluAndMul, silu_and_mul
+from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: under the interpreter (conftest)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -70,8 +67,8 @@ def test_silu_and_mul_matches_torch(rows, n):
 
 @pytest.mark.parametrize("splits", [1, 4])
 def test_norm_sums_split_k_partials(splits):
-    """Given a skinny GEMM's split-K partials (SplitKSum), the norm kernel returns exactly what it does given
-    the sum; RMSNorm's torch path (another weight dtype) sums them first."""
+    """Given split-K partials the norm kernel returns exactly what it does given their sum;
+    RMSNorm's torch path (another weight dtype) sums them first."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     gen = torch.Generator().manual_seed(splits)
     partial = SplitKSum(torch.randn(splits, 3, 1000, generator=gen).to(DEVICE), dtype)
@@ -79,28 +76,33 @@ def test_norm_sums_split_k_partials(splits):
     _, residual, weight = inputs(3, 1000, dtype)
     assert all(map(torch.equal, rms_norm_triton(partial, residual, weight, 1e-6),
                    rms_norm_triton(x, residual, weight, 1e-6)))
-    assert torch.equal(rms_norm_triton(partial, None, weight, 1e-6), rms_norm_triton(x, None, weight, 1e-6))
+    assert torch.equal(rms_norm_triton(partial, None, weight, 1e-6),
+                       rms_norm_triton(x, None, weight, 1e-6))
     norm = RMSNorm(1000).to(DEVICE)  # float32 weight: not the kernel's case
-    assert all(map(torch.equal, norm(partial, residual), add_rms_norm(x, residual, norm.weight, norm.eps)))
+    expected = add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert all(map(torch.equal, norm(partial, residual), expected))
 
 
 def test_modules_use_torch_on_cpu():
-    """On CPU the modules run the torch reference exactly (the CPU tests compare it with transformers)."""
+    """On CPU the modules run the torch reference, which the CPU tests compare with transformers."""
     x, residual, weight = inputs(3, 64, torch.float32, seed=1)
     x, residual = x.cpu(), residual.cpu()
     norm = RMSNorm(64)
     norm.weight.data.copy_(weight.cpu())
     assert torch.equal(norm(x, residual)[0], add_rms_norm(x, residual, norm.weight, norm.eps)[0])
-    assert torch.equal(SiluAndMul()(torch.cat([x, residual], -1)), silu_and_mul(torch.cat([x, residual], -1)))
+    gate_up = torch.cat([x, residual], -1)
+    assert torch.equal(SiluAndMul()(gate_up), silu_and_mul(gate_up))
 
 
 @needs_cuda
 def test_modules_use_the_kernels_on_cuda(monkeypatch):
     from nanovllm.layers import activation, layernorm
 
-    calls = []
-    monkeypatch.setattr(layernorm, "rms_norm_triton", lambda *a: calls.append("norm") or rms_norm(a[0], a[2], a[3]))
-    monkeypatch.setattr(activation, "silu_and_mul_triton", lambda x: calls.append("silu") or silu_and_mul(x))
+    calls = []  # patched where the modules look the kernels up
+    monkeypatch.setattr(layernorm, "rms_norm_triton",
+                        lambda *a: calls.append("norm") or rms_norm(a[0], a[2], a[3]))
+    monkeypatch.setattr(activation, "silu_and_mul_triton",
+                        lambda x: calls.append("silu") or silu_and_mul(x))
     x, _, weight = inputs(2, 64, torch.bfloat16)
     norm = RMSNorm(64).to(DEVICE, torch.bfloat16)
     norm(x)
@@ -109,17 +111,18 @@ def test_modules_use_the_kernels_on_cuda(monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows", [4, 8, 16])  # 16: the fused SwiGLU kernel, down_proj in 512-wide tiles
+@pytest.mark.parametrize("rows", [4, 8, 16])  # 16: the fused SwiGLU kernel, 512-wide down tiles
 def test_programmatic_dependent_launch_changes_no_result(monkeypatch, rows):
-    """A decode layer's MLP chain of Triton kernels replayed from a CUDA graph gives the same bits with PDL
-    (kernels overlapping the one before) as without: norm, gate/up GEMM, SiLU, down GEMM (each summed), and
-    as the engine runs decode, norm, gate/up + SiLU in one kernel (up to 8 rows: gate/up leaving its split-K
-    partials to down, which activates them as it loads them), down leaving its split-K partials to the next
-    norm. No kernel reads its input before the kernel writing it has finished. Both runs take the GEMMs' launch
-    configuration with PDL (down_proj's split count differs without it, and so would its sum's bits), so that
-    only the overlap differs."""
+    """A decode layer's MLP chain replayed from a CUDA graph gives the same bits with PDL as
+    without, both as separate kernels and as the engine chains them (split-K partials passed on,
+    activated or summed by the next kernel). Both runs use the GEMMs' PDL launch configuration."""
     from nanovllm.kernels.device import num_sms
-    from nanovllm.kernels.gemm.skinny import DEFERRED_ACTIVATION_MAX_ROWS, launch_config, skinny_linear, skinny_swiglu
+    from nanovllm.kernels.gemm.skinny import (
+        DEFERRED_ACTIVATION_MAX_ROWS,
+        launch_config,
+        skinny_linear,
+        skinny_swiglu,
+    )
     from nanovllm.kernels.gemm.split_k import SwiGLUSplitKSum
 
     gen = torch.Generator().manual_seed(0)
@@ -159,7 +162,7 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch, rows):
         assert all(map(torch.equal, results["0"], results["1"])), f"as the engine: {as_engine}"
 
 
-@pytest.mark.parametrize("rows, n", [(0, 64), (1, 64), (7, 1000), (300, 1024)])  # n not a power of two: masked
+@pytest.mark.parametrize("rows, n", [(0, 64), (1, 64), (7, 1000), (300, 1024)])
 def test_embedding_gathers_the_rows_of_the_ids(rows, n):
     gen = torch.Generator().manual_seed(rows)
     vocab = 500

@@ -1,9 +1,8 @@
-"""The tiled GEMM (33 to 256 rows) vs a float32 torch reference, its tile_config, and its dispatch in linear().
+"""The tiled GEMM vs a float32 torch reference, its tile_config, and its dispatch in linear().
 
-On CPU the kernel runs under the Triton interpreter in float16 (the interpreter multiplies bfloat16 tiles as
-integers) and without PDL; with CUDA, bf16 at Qwen3-0.6B's shapes against F.linear (with PDL on Hopper), inside a
-CUDA graph, and linear()'s choice of kernel.
-"""
+On CPU the Triton interpreter runs it in float16 (it multiplies bfloat16 tiles as integers), without
+PDL; with CUDA, bf16 at Qwen3-0.6B's shapes against F.linear, inside a CUDA graph."""
+# ruff: noqa: E402
 
 import os
 
@@ -12,24 +11,29 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from gemm_reference import check, make_inputs  # noqa: E402
+import pytest
+import torch.nn.functional as F
+from gemm_reference import check, make_inputs
 
-from nanovllm.kernels.gemm import tiled as tiled_gemm  # noqa: E402
-from nanovllm.kernels.gemm.skinny import SKINNY_MAX_ROWS  # noqa: E402
-from nanovllm.kernels.gemm.split_k import (
-    SplitKSum,
-    summed,  # noqa: E402
+from nanovllm.kernels.gemm import tiled as tiled_gemm
+from nanovllm.kernels.gemm.skinny import SKINNY_MAX_ROWS
+from nanovllm.kernels.gemm.split_k import SplitKSum, summed
+from nanovllm.kernels.gemm.tiled import (
+    TILED_MAX_ROWS,
+    TileConfig,
+    tile_config,
+    tiled_applies,
+    tiled_linear,
 )
-from nanovllm.kernels.gemm.tiled import TILED_MAX_ROWS, TileConfig, tile_config, tiled_applies, tiled_linear  # noqa: E402
-from nanovllm.layers import linear as linear_module  # noqa: E402
+from nanovllm.layers import linear as linear_module
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                                  reason="needs a Hopper GPU")
-H200_SMS = 132
-QWEN3_06B_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}  # (N, K)
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs a Hopper GPU")
+SMS = 132
+QWEN3_06B_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048),  # (N, K)
+                    "gate_up": (6144, 1024), "down": (1024, 3072)}
 
 
 def config(block_m, block_n, block_k, split_k, num_warps=4, num_stages=2):
@@ -52,7 +56,8 @@ def test_matches_reference(M, N, K, tiles, bias):
     y = tiled_linear(x, weight, b, defer_sum=True, config=tiles)
     assert isinstance(y, SplitKSum) == (tiles.split_k > 1)
     if isinstance(y, SplitKSum):
-        assert y.parts.shape == (tiles.split_k, M, N) and y.parts.dtype == torch.float32 and y.dtype == x.dtype
+        assert y.parts.shape == (tiles.split_k, M, N) and y.parts.dtype == torch.float32
+        assert y.dtype == x.dtype
     check(summed(y), x, weight, b)
 
 
@@ -75,17 +80,15 @@ def tiles(c: TileConfig) -> tuple:
 
 
 @pytest.mark.parametrize("M, expected", [
-    # the tiles scripts/bench_tiled_gemm.py's chain search picked on an H200 (BENCHMARKS.md, thirty-eighth session)
-    (64, {"qkv": (64, 64, 128, 2, 4, 4), "o": (64, 64, 128, 4, 4, 4), "gate_up": (64, 64, 128, 1, 4, 4),
-          "down": (64, 64, 128, 4, 4, 4)}),
-    (128, {"qkv": (64, 64, 128, 1, 4, 4), "o": (64, 64, 128, 4, 4, 4), "gate_up": (64, 128, 128, 1, 4, 3),
-           "down": (64, 64, 128, 4, 4, 4)}),
-    # at 256 the search's qkv 128/64/128 and down 64/128/128/4 have as many programs (128) as these
-    (256, {"qkv": (64, 128, 128, 1, 4, 3), "o": (64, 64, 128, 2, 4, 4), "gate_up": (128, 128, 64, 1, 8, 4),
-           "down": (64, 64, 128, 2, 4, 4)}),
+    (64, {"qkv": (64, 64, 128, 2, 4, 4), "o": (64, 64, 128, 4, 4, 4),
+          "gate_up": (64, 64, 128, 1, 4, 4), "down": (64, 64, 128, 4, 4, 4)}),
+    (128, {"qkv": (64, 64, 128, 1, 4, 4), "o": (64, 64, 128, 4, 4, 4),
+           "gate_up": (64, 128, 128, 1, 4, 3), "down": (64, 64, 128, 4, 4, 4)}),
+    (256, {"qkv": (64, 128, 128, 1, 4, 3), "o": (64, 64, 128, 2, 4, 4),
+           "gate_up": (128, 128, 64, 1, 8, 4), "down": (64, 64, 128, 2, 4, 4)}),
 ])
 def test_tile_config_at_the_qwen3_shapes(M, expected):
-    got = {name: tiles(tile_config(M, N, K, H200_SMS, splittable=name != "gate_up"))
+    got = {name: tiles(tile_config(M, N, K, SMS, splittable=name != "gate_up"))
            for name, (N, K) in QWEN3_06B_SHAPES.items()}
     assert got == expected
 
@@ -94,16 +97,19 @@ def test_tile_config_at_the_qwen3_shapes(M, expected):
 @pytest.mark.parametrize("N, K", [(4096, 1024), (1024, 3072), (1000, 64), (6144, 1024), (512, 192)])
 def test_tile_config_is_valid(M, N, K):
     for splittable in (False, True):
-        c = tile_config(M, N, K, H200_SMS, splittable)
+        c = tile_config(M, N, K, SMS, splittable)
         programs = -(-M // c.block_m) * -(-N // c.block_n)
         assert K % (c.block_k * c.split_k) == 0 and K // c.split_k >= c.block_k
-        assert c.split_k == 1 or (splittable and programs * c.split_k <= H200_SMS and K // c.split_k >= 2 * c.block_k)
+        assert c.split_k == 1 or (splittable and programs * c.split_k <= SMS
+                                  and K // c.split_k >= 2 * c.block_k)
         assert c.block_k == (64 if (c.block_m, c.block_n) == (128, 128) or K % 128 else 128)
-        assert (c.block_m + c.block_n) * c.block_k * 2 * c.num_stages <= tiled_gemm.STAGES_SMEM_BYTES
+        stage_bytes = (c.block_m + c.block_n) * c.block_k * 2
+        assert stage_bytes * c.num_stages <= tiled_gemm.STAGES_SMEM_BYTES
 
 
 def test_not_applied_on_cpu():
-    x, weight = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(64, 128, dtype=torch.bfloat16)
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    weight = torch.randn(64, 128, dtype=torch.bfloat16)
     assert not tiled_applies(x, weight)
 
 
@@ -113,11 +119,10 @@ def test_qwen3_shapes_match_cublas(name):
     N, K = QWEN3_06B_SHAPES[name]
     for M in (33, 48, 64, 100, 128, 192, 256):
         x, weight, b = make_inputs(M, N, K, torch.bfloat16, bias=name == "qkv", seed=M)
-        # Both accumulate in float32: at most a bf16 rounding apart.
         y = tiled_linear(x, weight, b)
         torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1.6e-2, atol=1e-3)
         deferred = tiled_linear(x, weight, defer_sum=True)
-        assert isinstance(deferred, SplitKSum) == (tile_config(M, N, K, H200_SMS, True).split_k > 1)
+        assert isinstance(deferred, SplitKSum) == (tile_config(M, N, K, SMS, True).split_k > 1)
         torch.testing.assert_close(summed(deferred), F.linear(x, weight), rtol=1.6e-2, atol=1e-3)
 
 
@@ -146,12 +151,13 @@ def test_linear_dispatch_on_hopper(monkeypatch, M, uses_tiled):
 
     monkeypatch.setattr(linear_module, "tiled_linear", spy)
     x, weight, b = make_inputs(M, 1024, 2048, torch.bfloat16, bias=True)
-    torch.testing.assert_close(linear_module.linear(x, weight, b), F.linear(x, weight, b), rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(linear_module.linear(x, weight, b), F.linear(x, weight, b),
+                               rtol=1.6e-2, atol=1e-3)
     assert calls == ([M] if uses_tiled else [])
     monkeypatch.setenv("NANOVLLM_PDL", "0")
     calls.clear()
     linear_module.linear(x, weight, b)
-    assert calls == []  # without PDL it loses to cuBLAS
+    assert calls == []  # not without PDL
 
 
 @needs_hopper
@@ -161,4 +167,5 @@ def test_not_applied_to_rows_tma_cannot_address():
     wide = torch.randn(64, 1032, dtype=torch.bfloat16, device="cuda")
     assert tiled_applies(wide[:, 8:], weight)  # 16 bytes in, row stride 2,064 bytes
     assert not tiled_applies(wide[:, 4:1028], weight)  # 8 bytes in
-    assert not tiled_applies(torch.randn(64, 1028, dtype=torch.bfloat16, device="cuda")[:, :1024], weight)
+    narrow = torch.randn(64, 1028, dtype=torch.bfloat16, device="cuda")
+    assert not tiled_applies(narrow[:, :1024], weight)  # row stride 2,056 bytes

@@ -1,6 +1,5 @@
-"""kv_cache_dtype="fp8" through the engine on the tiny model (CPU, torch backend, also on a GPU
-machine): the pool size, the exactness of the quantized path, and its error against the model-dtype
-cache."""
+"""kv_cache_dtype="fp8" through the engine on the tiny model (CPU, torch backend): the pool size,
+the exactness of the quantized path, and its error against the model-dtype cache."""
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ OPTIONS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_m
 
 def test_fp8_resolves_to_a_backend_that_reads_it(tiny_model):
     config = Config(tiny_model, device="cpu", kv_cache_dtype="fp8")
-    assert config.attention_backend == "torch"  # CPU; on CUDA "triton" (tests/models/test_attention.py)
+    assert config.attention_backend == "torch"
     assert config.kv_cache_torch_dtype == torch.float8_e4m3fn
     assert Config(tiny_model, device="cpu").kv_cache_torch_dtype == torch.float32
 
@@ -32,23 +31,25 @@ def tiny_model_head_dim_128(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("head_dim", [16, 128])
-def test_fp8_pool_holds_about_twice_the_tokens(tiny_model, tiny_model_head_dim_128, head_dim, monkeypatch):
-    budget = 16 << 20  # the CPU pool budget, small: the block manager builds an object per block
+def test_fp8_pool_holds_about_twice_the_tokens(tiny_model, tiny_model_head_dim_128, head_dim,
+                                               monkeypatch):
+    budget = 16 << 20
     monkeypatch.setattr(model_runner, "CPU_KV_CACHE_BYTES", budget)
     path = tiny_model if head_dim == 16 else tiny_model_head_dim_128
     blocks = {}
     for kv_cache_dtype in ("auto", "fp8"):
-        with LLM(path, device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kvcache_block_size=16) as llm:
+        with LLM(path, device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                 kvcache_block_size=16) as llm:
             blocks[kv_cache_dtype] = llm.num_kvcache_blocks
     # 2 layers, 2 KV heads, 16 tokens a block, K and V: bf16 values, or fp8 values + a float32 scale
     assert blocks["auto"] == budget // (2 * 2 * 16 * 2 * head_dim * 2)
     assert blocks["fp8"] == budget // (2 * 2 * 16 * 2 * (head_dim + 4))
-    assert blocks["fp8"] / blocks["auto"] == pytest.approx(2 * head_dim / (head_dim + 4), rel=1e-2)  # 1.94 at 128
+    ratio = 2 * head_dim / (head_dim + 4)
+    assert blocks["fp8"] / blocks["auto"] == pytest.approx(ratio, rel=1e-2)
 
 
 def test_fp8_pool_starts_without_nan(tiny_model, monkeypatch):
-    """The Triton kernels read some of an fp8 cache's stale slots (kv_cache.py), so the pool must hold
-    no NaN from the start, whatever torch.empty returns: here, NaN."""
+    """An fp8 pool holds no NaN from the start (kv_cache.py), whatever torch.empty returns."""
     empty = torch.empty
 
     def nan_empty(*args, **kwargs):
@@ -63,26 +64,27 @@ def test_fp8_pool_starts_without_nan(tiny_model, monkeypatch):
     for kv_cache_dtype in ("auto", "fp8"):
         with LLM(tiny_model, kv_cache_dtype=kv_cache_dtype, **OPTIONS) as llm:
             pool = llm.model_runner.kv_cache
-            assert pool.float().isnan().any() == (kv_cache_dtype == "auto")  # a 16-bit pool is left as it is
+            assert pool.float().isnan().any() == (kv_cache_dtype == "auto")
 
 
 def _rounding_store(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
                     store=kv_cache.store_kvcache_torch):
     """The torch store of a float cache, writing K/V rounded through fp8 and back."""
-    key, value = (q.float() * s[..., None] for q, s in map(kv_cache.quantize_fp8, (key, value)))
+    key, value = (q.float() * s[..., None]
+                  for q, s in map(kv_cache.quantize_fp8, (key, value)))
     store(key, value, k_cache, v_cache, slot_mapping)
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, prompts) -> dict[str, list[dict]]:
-    """Greedy outputs with logprobs: float32 cache ("auto"), fp8 cache, and a float32 cache holding
-    fp8-rounded K/V ("rounded")."""
+    """Greedy outputs with logprobs: float32 cache, fp8 cache, float32 cache of fp8-rounded K/V."""
     outputs = {}
     for name in ("auto", "fp8", "rounded"):
         with pytest.MonkeyPatch.context() as patch:
-            if name == "rounded":  # layers bind their store, attention.py's name for it, at construction
+            if name == "rounded":
                 patch.setattr(attention, "store_kvcache_torch", _rounding_store)
-            with LLM(tiny_model, kv_cache_dtype="fp8" if name == "fp8" else "auto", **OPTIONS) as llm:
+            kv_cache_dtype = "fp8" if name == "fp8" else "auto"
+            with LLM(tiny_model, kv_cache_dtype=kv_cache_dtype, **OPTIONS) as llm:
                 outputs[name] = llm.generate(prompts, GREEDY, use_tqdm=False)
     return outputs
 
@@ -98,29 +100,22 @@ def test_fp8_cache_is_attention_over_the_rounded_kv(runs):
 
 @pytest.mark.cpu_suite  # tensor parallel over gloo
 def test_fp8_cache_at_tp2_gives_tp1_tokens(tiny_model, prompts, runs):
-    """Each rank quantizes only its own KV head (a scale per token and KV head), so splitting the heads over
-    two ranks changes no token, and the logprobs only by the all-reduce's float rounding."""
+    """Each rank quantizes its own KV heads: TP=2 changes no token, logprobs only by rounding."""
     with LLM(tiny_model, kv_cache_dtype="fp8", tensor_parallel_size=2, **OPTIONS) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for tp2, tp1 in zip(outputs, runs["fp8"]):
         assert tp2["token_ids"] == tp1["token_ids"]
         for a, b in zip(tp2["logprobs"], tp1["logprobs"]):
             assert a.keys() == b.keys()
-            assert max(abs(a[t] - b[t]) for t in a) < 1e-4  # 7e-6 measured
+            assert max(abs(a[t] - b[t]) for t in a) < 1e-4
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
 
 
-# Measured on this tiny model (10 prompts x 24 greedy tokens, float32 compute): top-20 logprobs differ
-# from the float32 cache's by up to 1.20 (mean of the per-position max 0.29) where the context is still
-# the same; greedy tokens agree on 53% of positions up to each sequence's first divergence (55% overall).
-# (Before prefill without a cached prefix attended over the unrounded K/V: 0.32 and 44%.)
-# This model is unusually sensitive (weights drawn with std 0.3, top-2 logit gaps ~1e-2): even a bf16
-# cache (K/V rounded to 8 significant bits instead of e4m3's 4) moves logprobs by up to 0.056 and
-# keeps only 89% of the tokens. A mis-scaled or mis-indexed cache gives errors of several units and
-# near-zero agreement.
+# This tiny model is unusually sensitive (top-2 logit gaps ~1e-2); a mis-scaled or mis-indexed
+# cache gives errors of several units and near-zero agreement.
 def test_fp8_logprobs_close_to_the_model_dtype_cache(runs):
     errors = []
     for auto, fp8 in zip(runs["auto"], runs["fp8"]):
@@ -132,33 +127,34 @@ def test_fp8_logprobs_close_to_the_model_dtype_cache(runs):
 
 
 def test_fp8_greedy_tokens_mostly_agree(runs):
-    agreeing = sum(_first_divergence(a["token_ids"], b["token_ids"]) for a, b in zip(runs["auto"], runs["fp8"]))
+    agreeing = sum(_first_divergence(a["token_ids"], b["token_ids"])
+                   for a, b in zip(runs["auto"], runs["fp8"]))
     assert agreeing / (len(runs["auto"]) * NUM_NEW_TOKENS) > 0.3
 
 
 @pytest.mark.cpu_suite  # Triton kernels on CPU tensors, under the interpreter (see conftest)
 def test_fp8_chunked_prefill_dequantizes_the_prefix(tiny_model, monkeypatch):
-    """A prompt prefilled in chunks of 150 over an fp8 cache: on the Triton backend the second chunk
-    attends over the first through the dequantization workspace, and gives the torch backend's tokens."""
+    """Chunked prefill over an fp8 cache goes through the dequantization workspace on Triton."""
     from nanovllm.kernels.attention import prefill as triton_prefill
 
     calls = []
     dequantize = triton_prefill.dequantized_prefill_attention
     monkeypatch.setattr(triton_prefill, "dequantized_prefill_attention",
-                        lambda *args, **kwargs: calls.append(args[8]) or dequantize(*args, **kwargs))
+                        lambda *args, **kwargs: calls.append(args[8])
+                        or dequantize(*args, **kwargs))
     prompt = list(range(3, 303))
     options = {**OPTIONS, "max_model_len": 512}
     outputs = {}
     for backend in ("triton", "torch"):
-        with LLM(tiny_model, kv_cache_dtype="fp8", attention_backend=backend, max_num_batched_tokens=150,
-                 **options) as llm:
+        with LLM(tiny_model, kv_cache_dtype="fp8", attention_backend=backend,
+                 max_num_batched_tokens=150, **options) as llm:
             workspace = llm.model_runner.inputs.dequant_workspace
-            if backend == "triton":  # max_model_len tokens, K and V, the tiny model's 2 kv heads of 16
+            if backend == "triton":  # K and V of max_model_len tokens, 2 kv heads of 16
                 assert workspace.shape == (2, 512, 2, 16) and workspace.dtype == torch.float32
             else:
                 assert workspace is None
             (outputs[backend],) = llm.generate([prompt], GREEDY, use_tqdm=False)
-    assert calls == [[(0, 1, 150, 300)]] * 2  # (first, end, max_seqlen_q, max_seqlen_k), in each of 2 layers
+    assert calls == [[(0, 1, 150, 300)]] * 2  # in each of 2 layers
     assert outputs["triton"]["token_ids"] == outputs["torch"]["token_ids"]
     for a, b in zip(outputs["triton"]["logprobs"], outputs["torch"]["logprobs"]):
         assert max(abs(a[t] - b[t]) for t in a.keys() & b.keys()) < 1e-4

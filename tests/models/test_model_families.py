@@ -51,7 +51,8 @@ def test_logits_match_transformers(family_model, prompts):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_matches_transformers(family_model, prompts, family_reference, tp):
-    with LLM(family_model, tensor_parallel_size=tp, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+    with LLM(family_model, tensor_parallel_size=tp, kvcache_block_size=16,
+             num_kvcache_blocks=64) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == family_reference
 
@@ -63,8 +64,9 @@ def test_qwen2_5_head_layout_on_triton_kernels(tmp_path):
     write_tiny_qwen2(path, hidden_size=896, num_attention_heads=14, num_key_value_heads=2)
     prompts = [[1, 2, 3, 4, 5], list(range(40, 77)), [9] * 20]
     expected = [hf_greedy(path, p, 6) for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(path, kvcache_block_size=16, num_kvcache_blocks=32, attention_backend="triton") as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == expected
 
 
@@ -88,8 +90,9 @@ def test_registry_matches_supported_architectures():
 
 
 def _write_config(path, **fields) -> str:
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320,
+                  hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
     config.update(fields)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
@@ -104,7 +107,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
 
 @pytest.mark.parametrize("fields,match", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                       "original_max_position_embeddings": 256}}, "yarn"),
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
       "sliding_window": 64, "max_window_layers": 1}, "sliding-window"),
     ({"hidden_act": "gelu"}, "gelu"),
@@ -128,6 +132,7 @@ def test_benchmark_checkpoint_loads_strictly_in_shards(tmp_path, architecture):
     shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     assert len(shards) > 3
     with LLM(path, kvcache_block_size=16, num_kvcache_blocks=16) as llm:
-        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        out = llm.generate([[1, 2, 3]], greedy, use_tqdm=False)
     assert len(out[0]["token_ids"]) == 4
     assert AutoConfig.from_pretrained(path).architectures == [architecture]

@@ -1,4 +1,4 @@
-"""End-to-end checks on an NVIDIA GPU (skipped without CUDA): bf16, flash-attn / Triton, CUDA graphs."""
+"""End-to-end checks on an NVIDIA GPU (skipped without CUDA): bf16, both backends, CUDA graphs."""
 
 import random
 import subprocess
@@ -18,20 +18,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory) -> str:
-    """head_dim 128: the only head size the lent flash-attn wheel is built for."""
+    """head_dim 128: the only head size the flash-attn wheel is built for."""
     path = str(tmp_path_factory.mktemp("tiny-bf16"))
-    write_tiny_qwen3(path, dtype="bfloat16", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=128, intermediate_size=512)
+    write_tiny_qwen3(path, dtype="bfloat16", hidden_size=256, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=128, intermediate_size=512)
     return path
 
 
 @pytest.fixture(scope="module")
 def tiny_bf16_split_k(tmp_path_factory) -> str:
-    """tiny_bf16 with hidden_size 512: the decode projections split K, so the Triton backend's decode kernel
-    (Attention.decode_from_qkv) sums the qkv projection's partials itself (tiny_bf16's qkv is summed)."""
+    """hidden_size 512: decode_from_qkv sums the split-K qkv projection's partials itself."""
     path = str(tmp_path_factory.mktemp("tiny-bf16-split-k"))
-    write_tiny_qwen3(path, dtype="bfloat16", hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=128, intermediate_size=1024)
+    write_tiny_qwen3(path, dtype="bfloat16", hidden_size=512, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=128, intermediate_size=1024)
     return path
 
 
@@ -42,11 +41,11 @@ def _generate(path, prompts, max_model_len=1024, **options):
 
 @pytest.mark.parametrize("backend", ["flash_attn", "triton"])
 def test_cuda_graph_decode_equals_eager(tiny_bf16, prompts, backend):
-    """Graphs replay batches padded to their bucket (Triton: with the decode order of AttentionMetadata)."""
+    """Graphs replay batches padded to their bucket (Triton: in the metadata's decode order)."""
     if backend == "flash_attn":
         pytest.importorskip("flash_attn")
     eager = _generate(tiny_bf16, prompts, enforce_eager=True, attention_backend=backend)
-    graphs = _generate(tiny_bf16, prompts, enforce_eager=False, max_num_seqs=20,  # buckets 1,2,4,8,16,20
+    graphs = _generate(tiny_bf16, prompts, enforce_eager=False, max_num_seqs=20,  # 1,2,4,8,16,20
                        attention_backend=backend)
     assert graphs == eager
 
@@ -58,24 +57,22 @@ def test_triton_backend_equals_flash_attn(tiny_bf16, prompts):
 
 
 def test_decode_from_qkv_equals_flash_attn(tiny_bf16_split_k, prompts, monkeypatch):
-    """The decode kernel computing q and storing the new K/V itself (eager and in CUDA graphs) generates what
-    flash-attn after the q/k norm + RoPE kernel does."""
+    """decode_from_qkv (eager and in graphs) generates what flash-attn after qk_norm_rope does."""
     pytest.importorskip("flash_attn")
     calls, decode_from_qkv = [], Attention.decode_from_qkv
-    monkeypatch.setattr(Attention, "decode_from_qkv", lambda *args: calls.append(1) or decode_from_qkv(*args))
+    monkeypatch.setattr(Attention, "decode_from_qkv",
+                        lambda *args: calls.append(1) or decode_from_qkv(*args))
     eager = _generate(tiny_bf16_split_k, prompts, enforce_eager=True, attention_backend="triton")
     assert calls, "the Triton decode did not take decode_from_qkv"
     assert eager == _generate(tiny_bf16_split_k, prompts, attention_backend="flash_attn")
-    assert _generate(tiny_bf16_split_k, prompts, attention_backend="triton", max_num_seqs=20) == eager
+    assert _generate(tiny_bf16_split_k, prompts, attention_backend="triton",
+                     max_num_seqs=20) == eager
 
 
 def test_decode_of_17_to_32_rows_equals_flash_attn_after_cublas(tiny_bf16, monkeypatch):
-    """28 requests decode in steps of up to 28 rows, which the skinny GEMMs and decode_from_qkv take since
-    SKINNY_MAX_ROWS is 32 (BLOCK_M 32): eager and from CUDA graphs (bucket 32), they generate what flash-attn after
-    cuBLAS's projections and the q/k norm + RoPE kernel does. max_model_len 256 (one block), so that the graphs'
-    decode kernel, which splits keys by max_model_len, takes one split as eager steps do (two splits sum the
-    same keys in another order). tiny_bf16's qkv is not split over K: at hidden_size 512 the skinny GEMMs' split-K
-    sums, in another order than cuBLAS's, turned one greedy token of the 28 x 16 (H200, thirty-fourth session)."""
+    """Decode steps of 28 rows in the skinny GEMMs and decode_from_qkv, eager and from graphs,
+    generate what flash-attn after cuBLAS does. max_model_len 256: one split of the keys, as eager
+    steps take (two sum in another order); no split K (its sums can turn a greedy token)."""
     pytest.importorskip("flash_attn")
     import nanovllm.layers.linear as linear_module
 
@@ -85,24 +82,26 @@ def test_decode_of_17_to_32_rows_equals_flash_attn_after_cublas(tiny_bf16, monke
     rng = random.Random(1)
     many = [[rng.randrange(256) for _ in range(rng.randrange(1, 80))] for _ in range(28)]
     skinny_applies = linear_module.skinny_applies
-    monkeypatch.setattr(linear_module, "skinny_applies", lambda x: skinny_applies(x) and x.shape[0] <= 16)
+    monkeypatch.setattr(linear_module, "skinny_applies",
+                        lambda x: skinny_applies(x) and x.shape[0] <= 16)
     reference = generate(enforce_eager=True, attention_backend="flash_attn")
     monkeypatch.undo()
     gemm_rows, attention_rows = [], []
     skinny_linear, decode_from_qkv = linear_module.skinny_linear, Attention.decode_from_qkv
-    monkeypatch.setattr(linear_module, "skinny_linear", lambda x, *args, **kwargs: gemm_rows.append(x.shape[0])
-                        or skinny_linear(x, *args, **kwargs))
-    monkeypatch.setattr(Attention, "decode_from_qkv", lambda self, inputs, meta: attention_rows.append(
-        meta.context_lens.numel()) or decode_from_qkv(self, inputs, meta))
+    monkeypatch.setattr(linear_module, "skinny_linear", lambda x, *args, **kwargs:
+                        gemm_rows.append(x.shape[0]) or skinny_linear(x, *args, **kwargs))
+    monkeypatch.setattr(Attention, "decode_from_qkv", lambda self, inputs, meta:
+                        attention_rows.append(meta.context_lens.numel())
+                        or decode_from_qkv(self, inputs, meta))
     assert generate(enforce_eager=True, attention_backend="triton") == reference
-    assert 28 in gemm_rows and 28 in attention_rows, (sorted(set(gemm_rows)), sorted(set(attention_rows)))
+    assert 28 in gemm_rows and 28 in attention_rows, (sorted(set(gemm_rows)),
+                                                      sorted(set(attention_rows)))
     monkeypatch.undo()
     assert generate(attention_backend="triton", max_num_seqs=32) == reference
 
 
 def test_bf16_logits_and_first_tokens_agree_with_transformers(tiny_bf16, prompts):
-    """Our bf16 logits are as close to a float32 evaluation of the same weights as transformers' bf16
-    logits are; where float32 clearly prefers a token, our greedy first token is that token."""
+    """Our bf16 logits are as close to float32's as transformers' bf16 ones; clear winners agree."""
     from transformers import AutoModelForCausalLM
 
     from tests.models.test_model import our_logits
@@ -131,20 +130,21 @@ def test_bf16_logits_and_first_tokens_agree_with_transformers(tiny_bf16, prompts
 def test_tensor_parallel_2_agrees_with_1(tiny_bf16, prompts):
     one = _generate(tiny_bf16, prompts)
     two = _generate(tiny_bf16, prompts, tensor_parallel_size=2)
-    agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one, two)]
+    agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+              for x, y in zip(one, two)]
     print(f"TP=2 tokens agreeing with TP=1 before the first difference: {agreed}")
-    assert sum(a > 0 for a in agreed) >= len(prompts) - 1  # first tokens agree (bf16 sums reorder across ranks)
+    assert sum(a > 0 for a in agreed) >= len(prompts) - 1  # bf16 sums reorder across ranks
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_killed_worker_raises_instead_of_hanging_in_nccl(tiny_bf16):
-    """Rank 0's all-reduce would wait forever for the dead rank: waiting for a step watches the workers.
-    In a process of its own, which must also exit: NCCL's abort may not return (LLMEngine.exit then gives
-    up on it, and this process could start no other LLM)."""
-    code = ("from nanovllm import LLM; from tests.runner.test_tensor_parallel import check_killed_worker_raises; "
-            f"check_killed_worker_raises(LLM({tiny_bf16!r}, tensor_parallel_size=2, max_model_len=1024), "
-            "max_tokens=500)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    """Waiting for a step watches the workers (in a process of its own: NCCL's abort may hang)."""
+    code = ("from nanovllm import LLM; "
+            "from tests.runner.test_tensor_parallel import check_killed_worker_raises; "
+            f"check_killed_worker_raises(LLM({tiny_bf16!r}, tensor_parallel_size=2, "
+            "max_model_len=1024), max_tokens=500)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=180)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
@@ -160,37 +160,37 @@ def test_memory_profiled_pool(tiny_bf16):
 
 
 def test_sampling_controls_on_cuda(tiny_bf16, prompts):
-    """The general sampler path (filters, penalties, seeds, logprobs) mixed with greedy rows, on the GPU."""
-    controlled = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, repetition_penalty=1.2,
-                                presence_penalty=0.5, frequency_penalty=0.3, logprobs=3, max_tokens=8, ignore_eos=True)
+    """The general sampler path (filters, penalties, seeds, logprobs) beside greedy rows."""
+    controlled = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7,
+                                repetition_penalty=1.2, presence_penalty=0.5,
+                                frequency_penalty=0.3, logprobs=3, max_tokens=8, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     params = [controlled, greedy] * (len(prompts) // 2)
     with LLM(tiny_bf16, max_model_len=1024) as llm:
         first = llm.generate(prompts, params, use_tqdm=False)
         second = llm.generate(prompts[::-1], params[::-1], use_tqdm=False)[::-1]
-    assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]  # seeds and greedy reproduce
+    assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]  # reproduced
     for out in first[0::2]:
         assert len(out["logprobs"]) == 8 and all(len(step) >= 3 for step in out["logprobs"])
         assert all(lp <= 0 for step in out["logprobs"] for lp in step.values())
 
 
 def test_sampler_graphs_sample_what_the_eager_sampler_does(tiny_bf16, prompts):
-    """Every control, with the sampler's general path replayed from CUDA graphs (rows padded to the
-    buckets, batches shrinking as requests finish, penalised histories growing, top-p searched in rows
-    without top-k) samples what the eager sampler does for seeded and greedy requests, logprobs too."""
+    """Every control, from sampler graphs, samples what the eager sampler does, logprobs too."""
     def params(i: int) -> SamplingParams:
         length = dict(max_tokens=10 + 3 * i, ignore_eos=True)
         if i % 3 == 0:
             return SamplingParams(temperature=0, min_tokens=4, logprobs=1, **length)
         if i % 3 == 1:
-            return SamplingParams(temperature=0.8, top_k=10 + i, top_p=0.9, min_p=0.05, seed=i, logprobs=3,
-                                  repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3, **length)
+            return SamplingParams(temperature=0.8, top_k=10 + i, top_p=0.9, min_p=0.05, seed=i,
+                                  logprobs=3, repetition_penalty=1.2, presence_penalty=0.5,
+                                  frequency_penalty=0.3, **length)
         return SamplingParams(temperature=0.7, top_p=0.8, seed=i, **length)
 
     batch = [params(i) for i in range(len(prompts))]
     outputs = {}
-    for eager in (True, False):
-        with LLM(tiny_bf16, max_model_len=1024, enforce_eager=eager) as llm:
+    for eager in (True, False):  # max_model_len 256: one split of the keys, as in eager steps
+        with LLM(tiny_bf16, max_model_len=256, enforce_eager=eager) as llm:
             outputs[eager] = llm.generate(prompts, batch, use_tqdm=False)
             if not eager:
                 assert llm.model_runner.sampler_graphs.captured  # the graphs did the sampling
@@ -201,25 +201,24 @@ def test_sampler_graphs_sample_what_the_eager_sampler_does(tiny_bf16, prompts):
             assert got_step == pytest.approx(want_step, abs=1e-5)
 
 
-def test_decode_graphs_sample_temperature_steps_as_the_eager_sampler_does(tiny_bf16, prompts, monkeypatch):
-    """A decode step whose rows sample by temperature alone replays its bucket's head graph (lm_head and the
-    one-pass sampler, seeded by torch's generator at each replay) instead of running them eagerly: under the same
-    torch seed it draws what the eager engine draws, as batches shrink through the buckets. Steps with a row
-    short of min_tokens (its EOS suppressed) sample eagerly."""
+def test_decode_graphs_sample_temperature_steps_as_the_eager_sampler_does(tiny_bf16, prompts,
+                                                                          monkeypatch):
+    """Temperature-only decode steps draw from the head graphs what the eager engine draws."""
     replayed_rows = []
     sample = DecodeGraphs.sample
-    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, meta, num_seqs: replayed_rows.append(num_seqs)
-                        or sample(self, meta, num_seqs))
-    params = [SamplingParams(temperature=0, min_tokens=6, max_tokens=8, stop_token_ids=[3]) if i == 0 else
-              SamplingParams(temperature=0.8, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    monkeypatch.setattr(DecodeGraphs, "sample", lambda self, meta, num_seqs: replayed_rows.append(
+        num_seqs) or sample(self, meta, num_seqs))
+    params = [SamplingParams(temperature=0, min_tokens=6, max_tokens=8, stop_token_ids=[3])
+              if i == 0 else SamplingParams(temperature=0.8, max_tokens=4 + 3 * i, ignore_eos=True)
+              for i in range(len(prompts))]
     outputs = {}
-    for eager in (True, False):
-        with LLM(tiny_bf16, max_model_len=1024, enforce_eager=eager, max_num_seqs=20) as llm:
+    for eager in (True, False):  # max_model_len 256: one split of the keys, as in eager steps
+        with LLM(tiny_bf16, max_model_len=256, enforce_eager=eager, max_num_seqs=20) as llm:
             torch.manual_seed(1)
             outputs[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs[False] == outputs[True]
-    # Prefill samples every first token; the first 5 decode steps, which sample row 0's 2nd to 6th, hold its stop
-    # ids back: eager. Then every decode step samples in the graphs, down to the longest row's last alone.
+    # Prefill samples every first token; the first 5 decode steps hold row 0's stop ids back
+    # (eager); then every decode step samples in the graphs, down to the longest row alone.
     num_decode_steps = max(p.max_tokens for p in params) - 1
     assert len(replayed_rows) == num_decode_steps - 5 and replayed_rows[-1] == 1
     assert replayed_rows == sorted(replayed_rows, reverse=True)

@@ -31,6 +31,7 @@ def test_calls_arrive_in_order_and_the_segment_grows():
         worker.join(timeout=30)
     finally:
         channel.close()
-    assert received == [("run", 10), ("run", 5000), ("run", 20), ("run", 100_000), ("run", 30), ("exit", 0)]
+    assert received == [("run", 10), ("run", 5000), ("run", 20), ("run", 100_000), ("run", 30),
+                        ("exit", 0)]
     assert channel.generation == 2 and channel.shm.size >= 100_000
-    assert not glob.glob(f"/dev/shm/{channel.base_name}*")  # the old segments were unlinked on growth
+    assert not glob.glob(f"/dev/shm/{channel.base_name}*")  # old segments unlinked on growth

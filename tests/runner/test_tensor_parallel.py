@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU (gloo): identical tokens at every size, exact weight shards, failures."""
+"""Tensor parallelism on CPU (gloo): identical tokens at every size, exact shards, failures."""
 
 import glob
 import os
@@ -23,14 +23,15 @@ from nanovllm.utils.tiny_model import write_tiny_qwen3
 from tests.conftest import hf_greedy
 from tests.engine.test_generate import GREEDY, PreemptionCounter
 
-pytestmark = pytest.mark.cpu_suite  # tensor parallel over gloo on the CPU, exact against transformers (see conftest)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_tp2_matches_transformers_with_chunking_preemption_and_prefix_hits(tiny_model, prompts, hf_reference, backend):
-    # 8 blocks of 16 tokens hold at most two requests: preemption; a 20-token budget chunks prompts;
-    # the second pass over the same prompts hits the prefix cache. "triton" runs the project's kernels (under
-    # the interpreter, in every rank) on each rank's share of the heads: 2 query heads and 1 KV head here.
+def test_tp2_matches_transformers_with_chunking_preemption_and_prefix_hits(
+        tiny_model, prompts, hf_reference, backend):
+    # 8 blocks of 16 tokens hold at most two requests: preemption; a 20-token budget chunks
+    # prompts; the second pass hits the prefix cache. Each rank has 2 query heads and 1 KV head.
     with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=8,
              max_num_batched_tokens=20, attention_backend=backend) as llm:
         counter = PreemptionCounter(llm.scheduler)
@@ -52,18 +53,19 @@ def tiny_model_8_heads(tmp_path_factory) -> str:
 def test_tp4_equals_tp1_and_transformers(tiny_model_8_heads, prompts):
     expected = [hf_greedy(tiny_model_8_heads, p, 12) for p in prompts[:5]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with LLM(tiny_model_8_heads, tensor_parallel_size=4, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
+    with LLM(tiny_model_8_heads, tensor_parallel_size=4, kvcache_block_size=16,
+             num_kvcache_blocks=32) as llm:
         outputs = llm.generate(prompts[:5], params, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == expected
 
 
 def test_each_rank_loads_its_slice_of_every_tensor(tiny_model_8_heads, monkeypatch):
-    """Build rank r of 2 in-process (no collectives are needed to build and load) and compare every
-    parameter with the matching piece of the checkpoint tensor."""
+    """Each rank of 2, built in-process, holds its piece of every checkpoint tensor."""
     config = Config(tiny_model_8_heads, device="cpu")
     hf = config.hf_config
     ckpt = load_file(os.path.join(tiny_model_8_heads, "model.safetensors"))
-    q_rows, kv_rows = hf.num_attention_heads * hf.head_dim // 2, hf.num_key_value_heads * hf.head_dim // 2
+    q_rows = hf.num_attention_heads * hf.head_dim // 2
+    kv_rows = hf.num_key_value_heads * hf.head_dim // 2
     inter, vocab = hf.intermediate_size // 2, hf.vocab_size // 2
     for rank in range(2):
         monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=rank: r)
@@ -74,9 +76,10 @@ def test_each_rank_loads_its_slice_of_every_tensor(tiny_model_8_heads, monkeypat
         rows = _rank_slicer(rank)
         pre = "model.layers.1."
         qkv = params[pre + "self_attn.qkv_proj.weight"]
-        torch.testing.assert_close(qkv, torch.cat([ckpt[pre + "self_attn.q_proj.weight"][rows(q_rows)],
-                                                   ckpt[pre + "self_attn.k_proj.weight"][rows(kv_rows)],
-                                                   ckpt[pre + "self_attn.v_proj.weight"][rows(kv_rows)]]))
+        torch.testing.assert_close(qkv, torch.cat([
+            ckpt[pre + "self_attn.q_proj.weight"][rows(q_rows)],
+            ckpt[pre + "self_attn.k_proj.weight"][rows(kv_rows)],
+            ckpt[pre + "self_attn.v_proj.weight"][rows(kv_rows)]]))
         torch.testing.assert_close(params[pre + "self_attn.o_proj.weight"],
                                    ckpt[pre + "self_attn.o_proj.weight"][:, rows(q_rows)])
         torch.testing.assert_close(params[pre + "mlp.gate_up_proj.weight"],
@@ -84,9 +87,10 @@ def test_each_rank_loads_its_slice_of_every_tensor(tiny_model_8_heads, monkeypat
                                               ckpt[pre + "mlp.up_proj.weight"][rows(inter)]]))
         torch.testing.assert_close(params[pre + "mlp.down_proj.weight"],
                                    ckpt[pre + "mlp.down_proj.weight"][:, rows(inter)])
-        torch.testing.assert_close(params["model.embed_tokens.weight"], ckpt["model.embed_tokens.weight"][rows(vocab)])
-        torch.testing.assert_close(params[pre + "self_attn.q_norm.weight"], ckpt[pre + "self_attn.q_norm.weight"])
-        torch.testing.assert_close(params[pre + "input_layernorm.weight"], ckpt[pre + "input_layernorm.weight"])
+        torch.testing.assert_close(params["model.embed_tokens.weight"],
+                                   ckpt["model.embed_tokens.weight"][rows(vocab)])
+        for name in ("self_attn.q_norm.weight", "input_layernorm.weight"):
+            torch.testing.assert_close(params[pre + name], ckpt[pre + name])
 
 
 def _rank_slicer(rank: int):
@@ -95,7 +99,8 @@ def _rank_slicer(rank: int):
 
 
 def test_tp_size_that_does_not_divide_heads_is_an_error(tiny_model):
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+    with pytest.raises(ValueError,
+                       match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         LLM(tiny_model, tensor_parallel_size=3)
 
 
@@ -119,15 +124,13 @@ def check_killed_worker_raises(llm: LLM, max_tokens: int):
 
 
 def test_killed_worker_raises_and_leaves_no_segment(tiny_model):
-    check_killed_worker_raises(LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64),
-                               max_tokens=50)
+    llm = LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
+    check_killed_worker_raises(llm, max_tokens=50)
 
 
 def test_an_nccl_abort_that_never_returns_is_given_up_on(tiny_model, monkeypatch):
-    """On the GPU, NCCL's abort of the collectives a dead worker left may never return (BENCHMARKS.md,
-    eleventh session). exit gives up on it after NCCL_ABORT_SECONDS: the step still raises, and another LLM
-    in this process is refused with the reason until the abort ends. Simulated over gloo with an abort
-    that blocks until released."""
+    """NCCL's abort of a dead worker's collectives may never return: exit gives up on it after
+    NCCL_ABORT_SECONDS, and another LLM is refused until it ends (over gloo, a stuck abort)."""
     release = threading.Event()
 
     def stuck_abort():
@@ -146,12 +149,12 @@ def test_an_nccl_abort_that_never_returns_is_given_up_on(tiny_model, monkeypatch
     release.set()
     llm_engine.LLMEngine.nccl_abort.join(10)
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=8) as again:
-        assert again.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["finish_reason"] == "length"
+        output = again.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
+        assert output["finish_reason"] == "length"
 
 
 def test_worker_dying_at_start_up_is_an_error(tiny_model, monkeypatch, tmp_path):
-    # Spawned workers start a fresh interpreter, which runs sitecustomize from PYTHONPATH: this one
-    # exits at once, as a worker that crashes during start-up would. Rank 0 must not wait forever.
+    # A spawned worker runs sitecustomize from PYTHONPATH: this one exits at once.
     (tmp_path / "sitecustomize.py").write_text("import os\nos._exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     with pytest.raises(WorkerDiedError, match="worker rank 1 died"):
@@ -164,13 +167,15 @@ def test_ctrl_c_leaves_no_worker_or_segment(tiny_model, tmp_path):
         import sys
         from nanovllm import LLM, SamplingParams
         if __name__ == "__main__":
-            llm = LLM({tiny_model!r}, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
+            llm = LLM({tiny_model!r}, tensor_parallel_size=2, kvcache_block_size=16,
+                      num_kvcache_blocks=64)
             print(llm.processes[0].pid, llm.channel.base_name, flush=True)
             while True:
-                llm.generate([[1, 2, 3]], SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+                llm.generate([[1, 2, 3]], SamplingParams(max_tokens=40, ignore_eos=True),
+                             use_tqdm=False)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), start_new_session=True)
+                            cwd=ROOT, start_new_session=True)
     worker_pid, segment = proc.stdout.readline().split()
     time.sleep(1.0)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
@@ -192,14 +197,14 @@ def test_two_engines_in_two_processes_at_once(tiny_model, tmp_path):
     script.write_text(textwrap.dedent(f"""
         from nanovllm import LLM, SamplingParams
         if __name__ == "__main__":
-            with LLM({tiny_model!r}, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
-                out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                                   use_tqdm=False)
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            with LLM({tiny_model!r}, tensor_parallel_size=2, kvcache_block_size=16,
+                     num_kvcache_blocks=64) as llm:
+                out = llm.generate([[1, 2, 3]], params, use_tqdm=False)
             print(out[0]["token_ids"])
     """))
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root)
-             for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT) for _ in range(2)]
     outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
     expected = str(hf_greedy(tiny_model, [1, 2, 3], 8))
     assert [p.returncode for p in procs] == [0, 0]

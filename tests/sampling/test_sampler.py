@@ -1,4 +1,4 @@
-"""The sampler: greedy rows exact, sampled rows distributed as the tempered softmax (torch and Triton)."""
+"""The sampler: greedy rows exact, sampled rows drawn from the tempered softmax (torch, Triton)."""
 
 import pytest
 import torch
@@ -44,7 +44,7 @@ def test_frequencies_match_the_tempered_softmax(impl):
 
 
 def test_triton_seed_reproduces_and_varies():
-    logits = torch.zeros(32, 100, device=DEVICE)  # uniform: 100^32 equally likely outcomes
+    logits = torch.zeros(32, 100, device=DEVICE)
     temperatures = torch.ones(32, device=DEVICE)
     a, b, c = (sample_triton(logits, temperatures, seed) for seed in (5, 5, 6))
     assert torch.equal(a, b)
@@ -53,22 +53,22 @@ def test_triton_seed_reproduces_and_varies():
 
 def test_rows_split_into_chunks_draw_the_one_pass_tokens():
     torch.manual_seed(2)
-    logits = torch.randn(6, 5000, device=DEVICE) * 2  # chunks of 1024 columns or more: up to 5 per row
+    logits = torch.randn(6, 5000, device=DEVICE) * 2
     temperatures = torch.tensor([0.8, 0.0, 0.0, 0.0, 1.3, 0.6], device=DEVICE)
     logits[1, 100] = logits[1, 3000] = 60.0  # a greedy tie across chunks: the first index wins
     logits[2, 2100] = logits[2, 4000] = 70.0  # a tie inside later chunks
     logits[3:5, :2048] = -float("inf")  # the first chunks of a greedy and a sampled row are out
-    for rows in (slice(0, 1), slice(1, 2), slice(0, 6)):  # one sampled row, one greedy row, all
+    for rows in (slice(0, 1), slice(1, 2), slice(0, 6)):
         one_pass = sample_triton(logits[rows], temperatures[rows], seed=9, num_chunks=1)
         for num_chunks in (2, 5):
-            assert torch.equal(sample_triton(logits[rows], temperatures[rows], seed=9, num_chunks=num_chunks),
-                               one_pass)
-    assert one_pass[1:4].tolist() == [100, 2100, logits[3].argmax().item()] and one_pass[4].item() >= 2048
+            split = sample_triton(logits[rows], temperatures[rows], seed=9, num_chunks=num_chunks)
+            assert torch.equal(split, one_pass)
+    assert one_pass[1:4].tolist() == [100, 2100, logits[3].argmax().item()]
+    assert one_pass[4].item() >= 2048
 
 
 def test_split_rows_write_into_out_and_leave_their_arrival_counts_zeroed():
-    """The last chunk of a row to finish writes its token into out and sets the row's count back to 0, so the
-    next launch (or a CUDA graph's next replay), which shares the counts, merges again."""
+    """A row's last chunk writes into out and zeroes the row's count, for the next launch."""
     torch.manual_seed(5)
     logits = torch.randn(3, 5000, device=DEVICE) * 3
     temperatures = torch.tensor([0.0, 0.9, 1.2], device=DEVICE)
@@ -98,8 +98,7 @@ def test_default_split_draws_the_one_pass_tokens_on_the_real_vocab(num_rows):
 
 @needs_cuda
 def test_a_new_seed_compiles_no_new_kernel():
-    """The seed changes every step: seeds of every divisibility must share one compiled kernel, or a
-    compilation stalls a run whenever a new kind of seed comes up."""
+    """The seed changes every step: seeds of every divisibility share one compiled kernel."""
     from nanovllm.sampling.sampler import _sample_kernel
 
     logits = torch.randn(4, 5000, device="cuda")

@@ -1,4 +1,4 @@
-"""SamplingParams: vLLM's fields and defaults; every bad value is a TypeError / ValueError naming it."""
+"""SamplingParams: vLLM's fields and defaults; a bad value is a TypeError / ValueError naming it."""
 
 import pytest
 
@@ -7,15 +7,19 @@ from nanovllm import SamplingParams
 
 def test_defaults_and_normalisation():
     params = SamplingParams()
-    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (1.0, 1.0, 0, 0.0, None)
-    assert (params.max_tokens, params.min_tokens, params.ignore_eos, params.logprobs) == (64, 0, False, None)
-    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (
+        1.0, 1.0, 0, 0.0, None)
+    assert (params.max_tokens, params.min_tokens, params.ignore_eos, params.logprobs) == (
+        64, 0, False, None)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (
+        1.0, 0.0, 0.0)
     assert params.stop == [] and params.stop_token_ids == [] and params.skip_special_tokens
     assert not params.include_stop_str_in_output and params.uses_only_temperature
     assert SamplingParams(stop="x", stop_token_ids=(3, 4)).stop == ["x"]
     assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
     for controls in [{"top_k": 5}, {"top_p": 0.5}, {"min_p": 0.1}, {"seed": 1}, {"logprobs": 0},
-                     {"repetition_penalty": 1.2}, {"presence_penalty": 0.1}, {"frequency_penalty": -0.1}]:
+                     {"repetition_penalty": 1.2}, {"presence_penalty": 0.1},
+                     {"frequency_penalty": -0.1}]:
         assert not SamplingParams(**controls).uses_only_temperature, controls
     assert SamplingParams(top_k=-1, temperature=0, stop="a", min_tokens=3).uses_only_temperature
 
@@ -36,7 +40,8 @@ def test_defaults_and_normalisation():
     ({"seed": 2**64}, ValueError, "seed must be in"),
     ({"max_tokens": 0}, ValueError, "max_tokens must be >= 1, got 0"),
     ({"min_tokens": -1}, ValueError, r"min_tokens must be in \[0, max_tokens=64\], got -1"),
-    ({"min_tokens": 5, "max_tokens": 4}, ValueError, r"min_tokens must be in \[0, max_tokens=4\], got 5"),
+    ({"min_tokens": 5, "max_tokens": 4}, ValueError,
+     r"min_tokens must be in \[0, max_tokens=4\], got 5"),
     ({"min_tokens": 1.0}, TypeError, "min_tokens must be an int"),
     ({"ignore_eos": 1}, TypeError, "ignore_eos must be a bool, got 1"),
     ({"include_stop_str_in_output": "yes"}, TypeError, "include_stop_str_in_output must be a bool"),

@@ -1,5 +1,5 @@
-"""Split-K partial sums: a GEMM's float32 partials [splits, M, N] handed on unsummed (SplitKSum), so that the
-kernel that reads y next sums them as it loads (load_split_sum), or summed by _split_k_reduce_kernel."""
+"""Split-K partials [splits, M, N] of a GEMM's y: summed by reduce_splits, or handed on unsummed
+(SplitKSum) to the next kernel, which sums them in split order as it loads y (load_split_sum)."""
 
 import dataclasses
 
@@ -12,9 +12,7 @@ from nanovllm.kernels.device import pdl_enabled
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SplitKSum:
-    """A skinny GEMM's output y [M, N] not yet summed: its float32 split-K partials `parts` [splits, M, N]
-    (contiguous); y = their sum in split order, rounded to `dtype` (no bias). Kernels that read y sum it
-    as they load (load_split_sum); other code calls `sum()`."""
+    """y [M, N] = parts [splits, M, N] (float32, contiguous) summed in split order, as dtype."""
 
     parts: torch.Tensor
     dtype: torch.dtype
@@ -32,9 +30,7 @@ class SplitKSum:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SwiGLUSplitKSum:
-    """SwiGLU's activation silu(gate) * up [M, N] of a gate/up projection y = [gate | up] [M, 2N] not yet summed
-    (`y`, its SplitKSum), each value rounded as silu_and_mul(y.sum()) rounds it. Only the skinny GEMM reads it
-    (down_proj, skinny_linear): it sums and activates each tile of x as it loads it."""
+    """silu_and_mul(y.sum()) [M, N] of a gate/up projection's y [M, 2N], for skinny_linear."""
 
     y: SplitKSum
 
@@ -53,17 +49,16 @@ class SwiGLUSplitKSum:
 
 
 def on_kernel_path(x: "torch.Tensor | SplitKSum") -> bool:
-    """Whether a kernel that loads through load_split_sum takes x: a SplitKSum or a contiguous CUDA tensor."""
+    """Whether kernels loading through load_split_sum take x: a SplitKSum or contiguous on CUDA."""
     return isinstance(x, SplitKSum) or (x.is_cuda and x.is_contiguous())
 
 
 def summed(x: "torch.Tensor | SplitKSum") -> torch.Tensor:
-    """x as a tensor: a SplitKSum summed, a tensor as it is."""
     return x.sum() if isinstance(x, SplitKSum) else x
 
 
 def split_operand(x: "torch.Tensor | SplitKSum") -> tuple[torch.Tensor, int, int]:
-    """(tensor, splits, split stride) of a kernel operand that may be a SplitKSum; splits 0: a plain tensor."""
+    """(tensor, splits, split stride) of an operand that may be a SplitKSum; 0 splits: a tensor."""
     if isinstance(x, SplitKSum):
         return x.parts, x.parts.shape[0], x.parts.stride(0)
     return x, 0, 0
@@ -71,7 +66,6 @@ def split_operand(x: "torch.Tensor | SplitKSum") -> tuple[torch.Tensor, int, int
 
 @triton.jit
 def _load(ptrs, mask):
-    """tl.load of ptrs, 0 where mask is False; mask may be None (no mask)."""
     if mask is None:
         x = tl.load(ptrs)
     else:
@@ -90,9 +84,8 @@ def sum_splits(ptr, offs, mask, split_stride, SPLITS: tl.constexpr):
 
 @triton.jit
 def load_split_sum(ptr, offs, mask, split_stride, SPLITS: tl.constexpr, dtype: tl.constexpr):
-    """Loads an operand that split_operand gave as (ptr, SPLITS, split_stride): with SPLITS == 0 the values
-    at ptr + offs, else their SplitKSum, rounded to dtype: the values SplitKSum.sum() would hold. 0 where
-    mask (None: all) is False."""
+    """An operand from split_operand at ptr + offs: loaded, or its SplitKSum summed to dtype; 0
+    where mask (None: no mask) is False."""
     if SPLITS == 0:
         x = _load(ptr + offs, mask)
     else:
@@ -101,9 +94,9 @@ def load_split_sum(ptr, offs, mask, split_stride, SPLITS: tl.constexpr, dtype: t
 
 
 @triton.jit
-def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
-    """Grid (M, cdiv(N, BLOCK)): y[m, n] = sum over splits of partials [SPLIT_K, M, N] (+ bias[n])."""
+def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    """Grid (M, cdiv(N, BLOCK)): y[m, n] = sum of partials [SPLIT_K, M, N] (+ bias[n])."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -117,11 +110,12 @@ def _split_k_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
 
 
 def reduce_splits(parts: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor):
-    """y [M, N] (contiguous) = the sum of float32 partials [splits, M, N] (+ bias), by _split_k_reduce_kernel."""
+    """y [M, N] (contiguous) = the sum of float32 partials [splits, M, N] (+ bias)."""
     splits, M, N = parts.shape
     block = 1024
     pdl = pdl_enabled(y.device)
     _split_k_reduce_kernel[(M, triton.cdiv(N, block))](
         parts, bias if bias is not None else parts, y, M, N, y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=block, SPLIT_K=splits, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        HAS_BIAS=bias is not None, BLOCK=block, SPLIT_K=splits, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )

@@ -1,5 +1,4 @@
-"""What the kernel benchmarks in scripts/ share: GPU timing of one op replayed from a CUDA graph, the
-copy bandwidth to compare against, and a report printed as it goes and saved under $OUT."""
+"""GPU timing for the kernel benchmarks: CUDA-graph replays, copy bandwidth, a saved report."""
 
 import os
 import pathlib
@@ -16,19 +15,18 @@ def emit(line=""):
 
 
 def save_report(name: str):
-    """Write everything emitted to $OUT/name, if $OUT is set."""
+    """Everything emitted to $OUT/name, if $OUT is set."""
     if os.environ.get("OUT"):
         pathlib.Path(os.environ["OUT"], name).write_text("\n".join(LINES) + "\n")
 
 
 def bench(fn, quick=False):
-    """Median milliseconds of fn replayed from a CUDA graph (no host launch overhead, as in the engine's
-    decode graphs), L2 flushed before each replay by do_bench. Falls back to timing fn itself."""
+    """Median ms of fn replayed from a CUDA graph (eager if capture fails), L2 flushed first."""
     warmup, rep = (5, 25) if quick else (25, 100)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()  # compiles / selects the kernel outside the capture
+        fn()
     torch.cuda.current_stream().wait_stream(side)
     try:
         graph = torch.cuda.CUDAGraph()
@@ -41,7 +39,7 @@ def bench(fn, quick=False):
 
 
 def copy_bandwidth():
-    """Device-to-device copy, bytes read + written per second (eager: a graph-captured copy is slower)."""
+    """Device-to-device copy, bytes read + written per second (eager: a captured copy is slower)."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     return 2 * x.numel() / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)

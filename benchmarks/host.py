@@ -1,10 +1,6 @@
-"""Host-side cost of a decode step's bookkeeping (Scheduler.schedule + Scheduler.postprocess) and of its
-inputs (StepInputs.prepare_decode, build_sampling_metadata: what they cost the host before the copy to the
-device) at a given batch size, with a fake model: pure Python, no GPU. Where the host's whole step takes
-longer than the GPU's, the GPU idles between steps (bench.py --single-stream reports how long the host
-waited for the GPU).
+"""The host's cost of a decode step's scheduling, inputs and postprocessing, on the CPU alone.
 
-    python scripts/bench_host.py --batch 256 --steps 200
+    python -m benchmarks.host --batch 256 --steps 200
 """
 
 import argparse
@@ -21,24 +17,34 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tiny_model import QWEN3_0_6B
 
 
+def prefilled_scheduler(batch: int, prompt_len: int, steps: int, rng) -> Scheduler:
+    """A scheduler running `batch` random prompts, their prefill done."""
+    num_blocks = batch * (prompt_len + steps + 512) // 256 + 16
+    scheduler = Scheduler(max_num_seqs=512, max_num_batched_tokens=1 << 30,
+                          max_model_len=1 << 20, num_blocks=num_blocks, block_size=256,
+                          eos_token_ids={0})
+    params = SamplingParams(temperature=0.6, max_tokens=steps + 10, ignore_eos=True)
+    for _ in range(batch):
+        prompt = [rng.randrange(1, 10000) for _ in range(prompt_len)]
+        scheduler.add(Sequence(prompt, params, 256, {0}))
+    seqs, is_prefill = scheduler.schedule()
+    assert is_prefill and len(seqs) == batch
+    scheduler.postprocess(scheduler.commit(seqs, is_prefill), [1] * len(seqs))
+    return scheduler
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=600)
     args = parser.parse_args()
 
     rng = random.Random(0)
-    scheduler = Scheduler(max_num_seqs=512, max_num_batched_tokens=1 << 30, max_model_len=1 << 20,
-                          num_blocks=args.batch * (args.prompt_len + args.steps + 512) // 256 + 16, block_size=256,
-                          eos_token_ids={0})
-    params = SamplingParams(temperature=0.6, max_tokens=args.steps + 10, ignore_eos=True)
-    for _ in range(args.batch):
-        scheduler.add(Sequence([rng.randrange(1, 10000) for _ in range(args.prompt_len)], params, 256, {0}))
-    seqs, is_prefill = scheduler.schedule()
-    assert is_prefill and len(seqs) == args.batch
-    scheduler.postprocess(scheduler.commit(seqs, is_prefill), [1] * len(seqs))
+    scheduler = prefilled_scheduler(args.batch, args.prompt_len, args.steps, rng)
     inputs = StepInputs(torch.device("cpu"), 256, decode_order=True)
+    vocab_size = QWEN3_0_6B["vocab_size"]
     schedule_s = postprocess_s = inputs_s = 0.0
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -46,7 +52,7 @@ def main():
         schedule_s += time.perf_counter() - start
         start = time.perf_counter()
         inputs.prepare_decode(seqs)
-        build_sampling_metadata(seqs, QWEN3_0_6B["vocab_size"], inputs.to_device, inputs.inflight_tokens)
+        build_sampling_metadata(seqs, vocab_size, inputs.to_device, inputs.inflight_tokens)
         inputs_s += time.perf_counter() - start
         start = time.perf_counter()
         step = scheduler.commit(seqs, is_prefill)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU tests, then benchmarks, in one device call; logs under $OUT.
+#   bash tools/gpu_check.sh      # from the repo root
+# TESTS: ';'-separated pytest argument sets ("" skips the tests). BENCHES: ';'-separated bench.py
+# argument sets ("" skips them); an entry starting with "-m " runs that module instead
+# (e.g. "-m benchmarks.attention --only decode"). BASELINE: the directory of another checkout, where
+# the benches also in BASELINE_BENCHES (default: all) run right after ours. Each item runs under
+# `timeout $STEP_TIMEOUT` (tests: $TEST_TIMEOUT). The cpu_suite tests skip themselves under CUDA.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+FILTER="Writing|Loading|it/s\]|Warning|_warn_once|recompile|W1130|_dynamo"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, flash_attn; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'flash_attn', flash_attn.__version__)" | tee -a "$OUT/gpu.txt"
+# The default tests in two runs, each within the default timeout.
+DEFAULT_TESTS="tests/runner/test_cuda.py tests/models/test_attention.py \
+tests/kernels/test_triton_attention.py tests/sampling/test_sampler.py \
+tests/sampling/test_sampler_controls.py;tests/models/test_kv_cache_fp8.py \
+tests/kernels/test_skinny_gemm.py tests/kernels/test_tiled_gemm.py \
+tests/kernels/test_qk_norm_rope.py tests/kernels/test_norm_activation_kernels.py \
+tests/kernels/test_kernels_compile_for_gpu.py tests/runner/test_host_to_device.py \
+tests/tools/test_bench.py"
+IFS=';' read -ra tests <<< "${TESTS-$DEFAULT_TESTS}"
+for args in "${tests[@]}"; do
+  echo "== pytest $args" | tee -a "$OUT/gpu_tests.txt"
+  timeout "${TEST_TIMEOUT:-$STEP_TIMEOUT}" python3 -m pytest -q -rs $args 2>&1 \
+    | grep -vE "$FILTER" | tee -a "$OUT/gpu_tests.txt"
+done
+bench() {  # bench <label> <dir> <args>
+  echo "== [$1] $3" | tee -a "$OUT/bench.txt"
+  local command="bench.py $3"
+  if [[ "$3" == "-m "* ]]; then command="$3"; fi
+  (cd "$2" && PYTHONPATH=. timeout "$STEP_TIMEOUT" python3 $command 2>&1) | grep -vE "$FILTER" \
+    | tee -a "$OUT/bench.txt"
+}
+DEFAULT_BENCHES=" ;--single-stream;--attention-backend triton;--kv-cache-dtype fp8;--profile"
+IFS=';' read -ra benches <<< "${BENCHES-$DEFAULT_BENCHES}"
+IFS=';' read -ra baseline_benches <<< "${BASELINE_BENCHES:-${BENCHES:-}}"
+for args in "${benches[@]}"; do
+  bench ours . "$args"
+  for base_args in "${baseline_benches[@]}"; do
+    if [ -n "${BASELINE:-}" ] && [ "$base_args" == "$args" ]; then
+      bench baseline "$BASELINE" "$args"
+    fi
+  done
+done
