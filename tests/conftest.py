@@ -11,6 +11,13 @@ from nanovllm.utils.tiny_model import write_tiny_qwen3  # imports no Triton kern
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# GPU-only tests: skipped without CUDA (and marked `cuda` below).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs a Hopper GPU")
+
+
 
 def _round_like_the_gpu():
     """Triton's interpreter rounds float32 to fp8 e4m3 without carrying into the exponent and to
@@ -47,14 +54,17 @@ torch.set_num_threads(1)
 NUM_NEW_TOKENS = 24
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Where CUDA is visible the CPU suite (exact float32, interpreted Triton, gloo) is skipped."""
-    if not torch.cuda.is_available():
-        return
+    """GPU-only tests get the `cuda` marker; where CUDA is visible the CPU suite (exact float32,
+    interpreted Triton, gloo) is skipped."""
+    gpu_only = [needs_cuda.mark, needs_hopper.mark]
     skip = pytest.mark.skip(reason="CPU suite: on a CUDA machine run it with "
                                    "`CUDA_VISIBLE_DEVICES= python -m pytest`")
     for item in items:
-        if "cpu_suite" in item.keywords:
+        if any(mark in gpu_only for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
+        if torch.cuda.is_available() and "cpu_suite" in item.keywords:
             item.add_marker(skip)
 
 

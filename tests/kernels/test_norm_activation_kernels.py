@@ -13,9 +13,9 @@ from nanovllm.kernels.gemm.split_k import SplitKSum, summed
 from nanovllm.kernels.norm import rms_norm_triton
 from nanovllm.layers.activation import SiluAndMul, silu_and_mul
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
+from tests.conftest import needs_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

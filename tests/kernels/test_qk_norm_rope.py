@@ -15,10 +15,11 @@ from nanovllm.kernels.qk_norm_rope import V_STORE_TILE, _heads_per_program, qk_n
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rope, default_inv_freq
 from nanovllm.utils.tiny_model import write_tiny_llama
+from tests.conftest import needs_cuda
 
 MAX_POSITION = 40960
 EPS = 1e-6
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

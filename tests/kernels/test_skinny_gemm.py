@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
+from tests.conftest import needs_cuda
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -37,7 +39,6 @@ from nanovllm.kernels.gemm.tiled import tiled_applies
 from nanovllm.layers import linear as linear_module
 from nanovllm.models import decoder
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 QWEN3_06B_SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048),  # (N, K)
                     "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072)}
 

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from tests.conftest import needs_cuda, needs_hopper
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -27,10 +29,6 @@ from nanovllm.kernels.gemm.tiled import (
 )
 from nanovllm.layers import linear as linear_module
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-needs_hopper = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-    reason="needs a Hopper GPU")
 SMS = 132
 QWEN3_06B_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048),  # (N, K)
                     "gate_up": (6144, 1024), "down": (1024, 3072)}

@@ -15,9 +15,10 @@ from nanovllm.kernels.gemm.split_k import SplitKSum
 from nanovllm.kernels.qk_norm_rope import NormRopeInputs, qk_norm_rope
 from nanovllm.layers.attention import workspace_groups
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
+from tests.conftest import needs_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
 GARBAGE_BLOCK = 1 << 30  # block-table entries past a sequence's blocks: reading one faults
 
 
@@ -465,7 +466,6 @@ def test_fp8_bf16_qwen3():
     assert (dequantized.float() - exact.float()).abs().max() < 0.2
 
 
-@needs_cuda
 @pytest.mark.parametrize("v_magnitude", [1e-4, 1e2])
 def test_fp8_values_far_from_one(v_magnitude):
     """The fp8 kernels' float16 P V: tiny V must not underflow, nor large V overflow."""

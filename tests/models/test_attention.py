@@ -23,9 +23,10 @@ from nanovllm.layers.attention import (
     triton_attention,
     workspace_groups,
 )
+from tests.conftest import needs_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
 STORES = [store_kvcache_triton, store_kvcache_torch]
 
 

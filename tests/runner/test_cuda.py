@@ -12,7 +12,8 @@ from nanovllm.layers.attention import Attention
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.utils.tiny_model import write_tiny_qwen3
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 

@@ -5,9 +5,9 @@ import torch
 
 from nanovllm.kernels import device as device_facts
 from nanovllm.sampling.sampler import sample_torch, sample_triton
+from tests.conftest import needs_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def sample(impl, logits, temperatures, seed):
