@@ -12,6 +12,9 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: e4m3 with a scale per token and kv head
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "max_position_embeddings")
+OPTIONAL_FIELDS = ("num_key_value_heads", "head_dim")
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Config:
     dtype: str = "auto"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    skip_tokenizer_init: bool = False  # token-id prompts only; outputs' text is ""
     hf_config: object = field(init=False, repr=False)
 
     @classmethod
@@ -60,8 +64,9 @@ class Config:
         utilization = self.gpu_memory_utilization
         if not isinstance(utilization, (int, float)) or isinstance(utilization, bool):
             raise TypeError(f"gpu_memory_utilization must be a float, got {utilization!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "skip_tokenizer_init"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("kv_cache_dtype", KV_CACHE_DTYPES)):
@@ -212,13 +217,41 @@ def load_hf_config(model: str):
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path!r} not found: a checkpoint directory needs a config.json")
-    with open(path) as f:
-        architectures = json.load(f).get("architectures") or []
+    raw = _read_config_json(path)
+    architectures = raw.get("architectures") or []
     if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
         raise ValueError(f"unsupported architecture {architectures} in {path!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    _check_required_fields(raw, path)
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(model)
+    try:
+        hf_config = AutoConfig.from_pretrained(model)
+    except Exception as e:  # transformers' own validation of the fields' types
+        raise ValueError(f"{path!r} is not a valid model config: {e}") from e
     _check_model_features(hf_config, path)
     return hf_config
+
+
+def _read_config_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path!r} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _check_required_fields(raw: dict, path: str):
+    """The shape fields the model is built from: present, and positive ints."""
+    missing = [name for name in REQUIRED_FIELDS if name not in raw]
+    if missing:
+        raise ValueError(f"{path!r} is missing required field(s): {', '.join(missing)}")
+    for name in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS):
+        value = raw.get(name)
+        if value is None and name in OPTIONAL_FIELDS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} in {path!r} must be a positive int")

@@ -48,27 +48,36 @@ class LLM(LLMEngine):
         return self._stream(self.make_sequences(prompts, sampling_params, detokenize=True))
 
     def _stream(self, seqs: list[Sequence]) -> Iterator[StreamOutput]:
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self._add(seqs)
         pending = dict(enumerate(seqs))
         sent = {index: (0, 0) for index in pending}  # tokens and characters already yielded
         try:
             while pending:
-                self.step()
-                for index, seq in list(pending.items()):
-                    num_tokens, num_chars = sent[index]
-                    if seq.num_output_tokens == num_tokens and not seq.is_finished:
-                        continue
-                    text, holdback = seq.detokenizer.text, seq.detokenizer.holdback
-                    end = len(text) if seq.is_finished else max(num_chars, len(text) - holdback)
-                    sent[index] = (seq.num_output_tokens, end)
-                    if seq.is_finished:
-                        del pending[index]
-                    start = seq.num_prompt_tokens + num_tokens
-                    new_tokens = seq.token_ids[start:seq.num_prompt_tokens + seq.num_output_tokens]
-                    yield StreamOutput(index, text[num_chars:end], new_tokens, seq.is_finished,
-                                       seq.finish_reason, seq.stop_reason)
+                with self._lock:  # another caller's steps may have advanced these requests
+                    outputs = _new_outputs(pending, sent)
+                    if not outputs:
+                        self.step()
+                        outputs = _new_outputs(pending, sent)
+                yield from outputs
         finally:
-            for seq in pending.values():
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
+            self._abort(list(pending.values()))
+
+
+def _new_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]]
+                 ) -> list[StreamOutput]:
+    """What the pending requests produced since `sent`; drops the finished ones from `pending`."""
+    outputs = []
+    for index, seq in list(pending.items()):
+        num_tokens, num_chars = sent[index]
+        if seq.num_output_tokens == num_tokens and not seq.is_finished:
+            continue
+        text, holdback = seq.detokenizer.text, seq.detokenizer.holdback
+        end = len(text) if seq.is_finished else max(num_chars, len(text) - holdback)
+        sent[index] = (seq.num_output_tokens, end)
+        if seq.is_finished:
+            del pending[index]
+        start = seq.num_prompt_tokens + num_tokens
+        new_tokens = seq.token_ids[start:seq.num_prompt_tokens + seq.num_output_tokens]
+        outputs.append(StreamOutput(index, text[num_chars:end], new_tokens, seq.is_finished,
+                                    seq.finish_reason, seq.stop_reason))
+    return outputs

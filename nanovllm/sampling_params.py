@@ -1,6 +1,7 @@
 """Per-request sampling settings, named and defined as in vLLM."""
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self):
+        """Check every field, again after edits; `stop` and `stop_token_ids` become lists."""
         _check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0 (0 = greedy)")
         _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         _check_int("top_k", self.top_k, lambda v: v >= -1, "0 or -1 (off) or >= 1")
@@ -91,11 +96,24 @@ def _string_list(stop) -> list[str]:
     return list(stop)
 
 
+def as_token_id(value) -> int | None:
+    """`value` as an int if it is an integer (numpy's too) and not a bool, else None."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _id_list(ids) -> list[int]:
     if ids is None:
         return []
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
+    as_ints = [as_token_id(i) for i in ids] if isinstance(ids, (list, tuple)) else [None]
+    if None in as_ints:
         raise TypeError(f"stop_token_ids must be a list of int, got {ids!r}")
-    if any(i < 0 for i in ids):
+    if any(i < 0 for i in as_ints):
         raise ValueError(f"stop_token_ids must be >= 0, got {ids!r}")
-    return list(ids)
+    return as_ints

@@ -1,25 +1,37 @@
 """LLMEngine: tokenizes and validates requests, drives Scheduler and ModelRunner step by step."""
 
 import atexit
+import os
+import signal
+import sys
 import threading
-import time
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.requests import as_batch, check_request, eos_token_ids, request_output
+from nanovllm.engine.requests import (
+    as_batch,
+    check_request,
+    eos_token_ids,
+    load_tokenizer,
+    request_output,
+)
 from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput, free_port, run_worker
-from nanovllm.runner.shm_channel import ShmChannel, WorkerDiedError
+from nanovllm.runner.shm_channel import NO_MAIN_GUARD_EXIT_CODE, ShmChannel, WorkerDiedError
 from nanovllm.sampling_params import SamplingParams
 
 NCCL_ABORT_SECONDS = 5.0  # how long exit waits for NCCL to abort a dead worker's collectives
+EXIT_LOCK_SECONDS = 30.0  # how long exit waits for another thread's step to end
+PROGRESS_REFRESH_SECONDS = 0.1
+NO_MAIN_GUARD = ("tensor_parallel_size > 1 starts worker processes that import your script again: "
+                 "put the LLM(...) call under `if __name__ == \"__main__\":`")
 
 
 def _abort_nccl_group() -> threading.Thread:
@@ -41,11 +53,21 @@ class StepResult:
     num_decode_tokens: int
 
 
+def throughput_postfix(num_prefill_tokens: int, num_decode_tokens: int,
+                       elapsed: float) -> dict[str, str]:
+    """The progress bar's rates: each kind of token over the seconds since the call started."""
+    elapsed = max(elapsed, 1e-9)
+    return {"prefill": f"{num_prefill_tokens / elapsed:.0f} tok/s",
+            "decode": f"{num_decode_tokens / elapsed:.0f} tok/s"}
+
+
 class LLMEngine:
     # While exit's NCCL abort runs, its kernels may still spin: no other LLM may start meanwhile.
     nccl_abort: threading.Thread | None = None
 
     def __init__(self, model: str, **options):
+        if getattr(mp.current_process(), "_inheriting", False):
+            os._exit(NO_MAIN_GUARD_EXIT_CODE)  # a spawned worker re-running an unguarded script
         self._exited = True  # until start-up completes, exit() has nothing of ours to release
         self.config = config = Config.from_options(model, **options)
         if dist.is_initialized():  # rank 0 uses this process's default process group
@@ -60,28 +82,48 @@ class LLMEngine:
         self.model_runner = None
         # The step launched and not yet postprocessed.
         self.inflight: tuple[CommittedStep, PendingOutput | None] | None = None
+        # Callers in several threads and open streams share the steps, one at a time.
+        self._lock = threading.RLock()
+        self._stepping = self._out_of_step = False
+        self._aborted: list[Sequence] = []  # closed streams' requests, finished at the next chance
+        self._excepthook = sys.excepthook  # init_process_group wraps it
         atexit.register(self.exit)
         self._exited = False
         try:
             port = free_port()
             if config.tensor_parallel_size > 1:
-                ctx = mp.get_context("spawn")
-                self.channel = ShmChannel(ctx, config.tensor_parallel_size - 1)
-                for rank in range(1, config.tensor_parallel_size):
-                    args = (config, rank, port, self.channel.worker_end(rank))
-                    process = ctx.Process(target=run_worker, args=args, daemon=True)
-                    process.start()
-                    self.processes.append(process)
-                self.channel.processes = self.processes
+                self._start_workers(port)
             self.model_runner = ModelRunner(config, 0, port, self.channel)
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+            sys.excepthook = self._excepthook  # the user's process: no "[rank0]: " on tracebacks
+            self.tokenizer = load_tokenizer(config)
             self.eos_token_ids = eos_token_ids(self.tokenizer, config)
             self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                        config.max_model_len, self.model_runner.num_kvcache_blocks,
                                        config.kvcache_block_size, self.eos_token_ids)
+        except WorkerDiedError as error:
+            self.exit()
+            if error.exitcode == NO_MAIN_GUARD_EXIT_CODE:
+                raise RuntimeError(NO_MAIN_GUARD) from None
+            raise
         except BaseException:
             self.exit()
             raise
+
+    def _start_workers(self, port: int):
+        """Spawn ranks 1.. with SIGINT blocked: Ctrl-C reaches rank 0 only, which stops them."""
+        config = self.config
+        ctx = mp.get_context("spawn")
+        self.channel = ShmChannel(ctx, config.tensor_parallel_size - 1)
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for rank in range(1, config.tensor_parallel_size):
+                args = (config, rank, port, self.channel.worker_end(rank))
+                process = ctx.Process(target=run_worker, args=args, daemon=True)
+                process.start()
+                self.processes.append(process)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        self.channel.processes = self.processes
 
     @property
     def num_kvcache_blocks(self) -> int:
@@ -91,20 +133,34 @@ class LLMEngine:
         """Stop the workers and release the GPU / shared memory. Safe to call more than once."""
         if self._exited:
             return
+        locked = self._lock.acquire(timeout=EXIT_LOCK_SECONDS)  # let another thread's step end
+        try:
+            if not self._exited:
+                self._release()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _release(self):
         self._exited = True
         atexit.unregister(self.exit)
         self.inflight = None
-        worker_died = self.channel is not None and self.channel.dead_worker_error() is not None
+        # Workers out of step with rank 0 (a step interrupted or failed, a worker dead, start-up
+        # cut short) would never answer an orderly exit: they are killed.
+        orderly = self.model_runner is not None and (self.channel is None or (
+            not self._out_of_step and self.channel.dead_worker_error() is None))
         try:
-            if worker_died:  # no orderly exit: it would wait for GPU work that never ends
-                self.model_runner = None
-            elif self.model_runner is not None:
+            if orderly:
                 self.model_runner.call("exit")
         except WorkerDiedError:
-            worker_died = True
+            orderly = False
         finally:
+            if not orderly:
+                self.model_runner = None
+                for process in self.processes:
+                    process.kill()
             if dist.is_initialized():
-                if worker_died and dist.get_backend() == "nccl":
+                if not orderly and self.processes and dist.get_backend() == "nccl":
                     LLMEngine.nccl_abort = _abort_nccl_group()
                 else:
                     dist.destroy_process_group()
@@ -115,6 +171,8 @@ class LLMEngine:
                     process.join()
             if self.channel is not None:
                 self.channel.close()
+            if getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+                sys.excepthook = self._excepthook
 
     def __enter__(self):
         return self
@@ -128,7 +186,11 @@ class LLMEngine:
 
     def make_sequences(self, prompts, sampling_params, detokenize: bool = False) -> list[Sequence]:
         """Validate a whole batch, then make its sequences; raises before anything is queued."""
-        self._check_alive()
+        with self._lock:
+            self._check_alive()
+            return self._make_sequences(prompts, sampling_params, detokenize)
+
+    def _make_sequences(self, prompts, sampling_params, detokenize: bool) -> list[Sequence]:
         prompts, sampling_params = as_batch(prompts, sampling_params)
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for i, (tokens, sp) in enumerate(zip(token_lists, sampling_params)):
@@ -148,20 +210,58 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue one request; returns its sequence id."""
         (seq,) = self.make_sequences([prompt], [sampling_params])
-        self.scheduler.add(seq)
+        self._add([seq])
         return seq.seq_id
+
+    def _add(self, seqs: list[Sequence]):
+        with self._lock:
+            self._check_alive()
+            self._apply_aborts()
+            for seq in seqs:
+                self.scheduler.add(seq)
+
+    def _abort(self, seqs: list[Sequence]):
+        """Finish these requests ("abort") now, or at the next step if one is running."""
+        self._aborted += [seq for seq in seqs if not seq.is_finished]
+        # Non-blocking: a closed stream's finalizer may run in the middle of this thread's step.
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._stepping:
+                    self._apply_aborts()
+            finally:
+                self._lock.release()
+
+    def _apply_aborts(self):
+        while self._aborted:
+            seq = self._aborted.pop()
+            if not seq.is_finished and not self._exited:
+                self.scheduler.finish(seq, "abort")
 
     def reset_prefix_cache(self):
         """Forget every cached prefix; running requests are not affected."""
-        self.scheduler.block_manager.reset_prefix_cache()
+        with self._lock:
+            self.scheduler.block_manager.reset_prefix_cache()
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        with self._lock:
+            self._apply_aborts()
+            return self.scheduler.is_finished()
 
     def step(self) -> StepResult:
         """Launch a step, then postprocess the previous one while the GPU runs it: the new step
         reads the previous one's sampled tokens on the device."""
-        self._check_alive()
+        with self._lock:
+            self._check_alive()
+            self._apply_aborts()
+            if self.inflight is None and self.scheduler.is_finished():
+                return StepResult([], 0, 0)
+            self._stepping = True
+            try:
+                return self._step()
+            finally:
+                self._stepping = False
+
+    def _step(self) -> StepResult:
         done, finished = None, []
         try:
             seqs, is_prefill = self.scheduler.schedule()
@@ -176,8 +276,9 @@ class LLMEngine:
             self.inflight = launched
         except BaseException as error:
             # The ranks are out of step: release everything, naming a dead worker if there is one.
+            self._out_of_step = True
             died = None
-            if self.channel is not None:
+            if self.channel is not None and not isinstance(error, KeyboardInterrupt):
                 died = self.channel.dead_worker_error(grace_seconds=0.5)
             self.exit()
             if died is not None and died is not error:
@@ -230,27 +331,33 @@ class LLMEngine:
         return finished
 
     def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
-        """Run a batch to completion; outputs in input order."""
+        """Run a batch to completion; outputs in input order. Other callers' requests (threads,
+        open streams) advance in the same steps."""
         seqs = self.make_sequences(prompts, sampling_params)
-        for seq in seqs:
-            self.scheduler.add(seq)
-        wanted = {seq.seq_id for seq in seqs}
-        outputs: dict[int, dict] = {}
-        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_rate = decode_rate = 0.0
-        while not wanted.issubset(outputs):
-            start = time.perf_counter()
-            result = self.step()
-            elapsed = time.perf_counter() - start
-            if result.num_prefill_tokens:
-                prefill_rate = result.num_prefill_tokens / elapsed
-            if result.num_decode_tokens:
-                decode_rate = result.num_decode_tokens / elapsed
-            pbar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s",
-                             refresh=False)
-            for seq in result.finished:
-                outputs[seq.seq_id] = request_output(seq, self.tokenizer)
-                if seq.seq_id in wanted:
-                    pbar.update(1)
+        self._add(seqs)
+        pbar = tqdm(total=len(seqs), desc="Generating", unit="req", dynamic_ncols=True,
+                    disable=not use_tqdm)
+        start = last_refresh = perf_counter()
+        num_prefill = num_decode = 0
+        unfinished = seqs
+        try:
+            while True:
+                with self._lock:
+                    unfinished = [seq for seq in unfinished if not seq.is_finished]
+                    if not unfinished:
+                        outputs = [request_output(seq, self.tokenizer) for seq in seqs]
+                        break
+                    result = self.step()
+                num_prefill += result.num_prefill_tokens
+                num_decode += result.num_decode_tokens
+                now = perf_counter()
+                if use_tqdm and now - last_refresh >= PROGRESS_REFRESH_SECONDS:
+                    last_refresh = now
+                    pbar.n = len(seqs) - len(unfinished)
+                    pbar.set_postfix(throughput_postfix(num_prefill, num_decode, now - start))
+        finally:
+            self._abort(unfinished)
+        pbar.n = len(seqs)
+        pbar.set_postfix(throughput_postfix(num_prefill, num_decode, perf_counter() - start))
         pbar.close()
-        return [outputs[seq.seq_id] for seq in seqs]
+        return outputs

@@ -1,16 +1,22 @@
 """Requests in and out: a batch checked before any of it is queued, EOS ids, and the outputs."""
 
+import glob
 import json
 import os
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, as_token_id
+
+# One of these makes a directory's tokenizer (tokenizer_config.json alone is not one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "*.tiktoken")
 
 
 def as_batch(prompts, sampling_params) -> tuple[list, list]:
     """Prompts and sampling params as two lists of equal length (one prompt or params for all)."""
-    one_prompt = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    prompts = _as_list(prompts)
+    one_prompt = isinstance(prompts, list) and prompts and as_token_id(prompts[0]) is not None
     if isinstance(prompts, str) or one_prompt:
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
@@ -30,22 +36,65 @@ def as_batch(prompts, sampling_params) -> tuple[list, list]:
     return list(prompts), list(sampling_params)
 
 
+def _as_list(prompts):
+    """A numpy array (or tensor) of token ids as lists: 1-D is one prompt, 2-D a batch."""
+    if getattr(prompts, "ndim", None) in (1, 2) and hasattr(prompts, "tolist"):
+        return prompts.tolist()
+    if isinstance(prompts, (list, tuple)) and prompts and getattr(prompts[0], "ndim", 0) == 1:
+        return [p.tolist() if getattr(p, "ndim", None) == 1 else p for p in prompts]
+    return prompts
+
+
 def check_request(index: int, tokens: list, params, vocab_size: int):
     """Raise for what the engine cannot take in request `index` of a batch."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params[{index}] is a {type(params).__name__}, "
                         "not SamplingParams")
+    params.verify()
     if not tokens:
         raise ValueError(f"prompt {index} is empty")
-    bad = next((t for t in tokens if not isinstance(t, int) or isinstance(t, bool)
-                or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt {index} has token id {bad!r} outside the vocabulary "
-                         f"[0, {vocab_size})")
+    for i, token in enumerate(tokens):
+        if type(token) is not int:  # numpy's ints become ints, in place
+            tokens[i] = as_token_id(token)
+            if tokens[i] is None:
+                raise ValueError(f"prompt {index} has token id {token!r}, which is not an int")
+        if not 0 <= tokens[i] < vocab_size:
+            raise ValueError(f"prompt {index} has token id {tokens[i]} outside the vocabulary "
+                             f"[0, {vocab_size})")
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"sampling_params[{index}].stop_token_ids has {bad} outside the "
                          f"vocabulary [0, {vocab_size})")
+
+
+class NoTokenizer:
+    """The tokenizer of an engine started with skip_tokenizer_init: token ids only."""
+
+    eos_token_id = None
+
+    def _refuse(self, *args, **kwargs):
+        raise ValueError("the engine was started with skip_tokenizer_init=True, so it has no "
+                         "tokenizer: pass prompts as token ids, without stop strings; text "
+                         "prompts, chat() and stream() need a tokenizer")
+
+    encode = decode = apply_chat_template = __call__ = _refuse
+
+
+def load_tokenizer(config: Config):
+    """The checkpoint's tokenizer (a NoTokenizer with skip_tokenizer_init)."""
+    if config.skip_tokenizer_init:
+        return NoTokenizer()
+    directory = glob.escape(config.model)
+    if not any(glob.glob(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in {config.model!r}: it needs one of {', '.join(TOKENIZER_FILES)}; "
+            "pass skip_tokenizer_init=True to give prompts as token ids")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(config.model)
+    except Exception as e:
+        raise ValueError(f"cannot load the tokenizer in {config.model!r}: {e}") from e
 
 
 def eos_token_ids(tokenizer, config: Config) -> set[int]:
@@ -73,6 +122,8 @@ def request_output(seq: Sequence, tokenizer) -> dict:
     params = seq.sampling_params
     if seq.detokenizer is not None:
         text = seq.detokenizer.text
+    elif isinstance(tokenizer, NoTokenizer):
+        text = ""
     else:  # as vLLM, without the text of the EOS or stop id that ended the sequence
         hide_stop = seq.finish_reason == "stop" and not params.include_stop_str_in_output
         shown = tokens[:-1] if hide_stop else tokens

@@ -4,6 +4,7 @@ Every rank runs every call, so collectives line up."""
 
 import os
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -25,6 +26,7 @@ from nanovllm.utils.loader import load_model
 
 CPU_KV_CACHE_BYTES = 2 << 30  # KV pool budget on CPU when num_kvcache_blocks is not given
 WORKER_CHECK_SECONDS = 0.01  # how often rank 0, waiting for a step, checks that the workers live
+PARENT_CHECK_SECONDS = 0.2  # how often a worker checks that rank 0's process lives
 
 
 def free_port() -> int:
@@ -44,8 +46,18 @@ def default_dtype_and_device(dtype: torch.dtype, device: torch.device):
         torch.set_default_dtype(old_dtype)
 
 
+def _exit_with_parent(parent_pid: int):
+    """A worker's watchdog: once rank 0's process is gone, end this one at once, even while its
+    main thread waits in a collective that will never complete."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_CHECK_SECONDS)
+    os._exit(0)
+
+
 def run_worker(config: Config, rank: int, port: int, channel: WorkerEnd):
     """Entry point of a spawned worker rank: serve calls until `exit`."""
+    threading.Thread(target=_exit_with_parent, args=(channel.parent_pid,), name="parent-watch",
+                     daemon=True).start()
     if config.device == "cpu":  # share the cores among the ranks instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     runner = ModelRunner(config, rank, port)

@@ -13,10 +13,13 @@ from multiprocessing import shared_memory
 
 HEADER_BYTES = 8
 _REATTACH = "__reattach__"
+NO_MAIN_GUARD_EXIT_CODE = 86  # a worker's exit code when it re-ran an unguarded LLM(...) script
 
 
 class WorkerDiedError(RuntimeError):
-    pass
+    def __init__(self, message: str, exitcode: int | None = None):
+        super().__init__(message)
+        self.exitcode = exitcode
 
 
 class ShmChannel:
@@ -87,7 +90,7 @@ class ShmChannel:
             process.join(grace_seconds)
             if not process.is_alive():
                 return WorkerDiedError(f"tensor-parallel worker rank {rank} died "
-                                       f"(exit code {process.exitcode})")
+                                       f"(exit code {process.exitcode})", process.exitcode)
         return None
 
     def close(self):

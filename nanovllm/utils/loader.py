@@ -3,7 +3,7 @@
 import glob
 import os
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
@@ -18,7 +18,7 @@ def load_model(model: nn.Module, path: str):
     params = dict(model.named_parameters(remove_duplicate=True))
     loaded = set()
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open(file) as f:
             for ckpt_name in f.keys():
                 if tied and ckpt_name == "lm_head.weight":
                     continue
@@ -35,6 +35,14 @@ def load_model(model: nn.Module, path: str):
                      for n, s in _expected_keys(params, packed) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensors for: {', '.join(missing)}")
+
+
+def _open(file: str):
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"cannot read {file!r}: truncated or not a safetensors file "
+                         f"({e})") from None
 
 
 def _load_tensor(param: nn.Parameter, tensor, shard, where: str):
