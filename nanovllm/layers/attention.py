@@ -4,6 +4,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.attention.kv_cache import (
@@ -35,6 +36,7 @@ class AttentionMetadata:
     # Triton prefill over an fp8 prefix: [2, capacity, kv_heads, head_dim], and workspace_groups
     dequant_workspace: torch.Tensor | None = None
     dequant_groups: list[SeqGroup] | None = None
+    padded: "PaddedBatch | None" = None  # the torch backend's, built by its first layer
 
 
 def dequantizing_pays(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> bool:
@@ -61,39 +63,74 @@ def workspace_groups(cu_seqlens_q: list[int], cu_seqlens_k: list[int],
     return groups
 
 
-def _gather(cache, scales, blocks, num_keys) -> torch.Tensor:
-    x = cache[blocks].flatten(0, 1)[:num_keys].float()
+@dataclass(slots=True)
+class PaddedBatch:
+    """A step as [B, Lq] queries over [B, T] keys, padding repeating a sequence's last row."""
+
+    query_index: torch.Tensor | None  # [B, Lq] rows of q; None in decode (row b)
+    key_index: torch.Tensor  # [B * T] cache slots, or rows of k in a prefill without a prefix
+    mask: torch.Tensor  # [B, 1, Lq, T] bool: where a query sees a key
+    out_index: torch.Tensor | None  # [num_tokens] rows of the flattened [B * Lq] output
+
+
+def padded_batch(meta: AttentionMetadata, block_size: int) -> PaddedBatch:
+    """The torch backend's indices for the step, built by its first layer and kept in `meta`."""
+    if meta.padded is not None:
+        return meta.padded
+    key_lens = meta.context_lens.long()
+    num_seqs, device = key_lens.numel(), key_lens.device
+    query_lens = meta.cu_seqlens_q.long().diff() if meta.is_prefill else torch.ones_like(key_lens)
+    max_q, max_k = int(query_lens.max()), int(key_lens.max())
+    keys = torch.arange(max_k, device=device)
+    key_pos = torch.minimum(keys[None, :], (key_lens - 1).clamp(min=0)[:, None])
+    if meta.is_prefill and not meta.prefix_cached:
+        key_index = meta.cu_seqlens_k[:-1].long()[:, None] + key_pos
+    else:
+        blocks = meta.block_tables.long().gather(1, key_pos // block_size)
+        key_index = blocks * block_size + key_pos % block_size
+    queries = torch.arange(max_q, device=device)
+    query_pos = (key_lens - query_lens)[:, None] + queries[None, :]  # positions in the sequence
+    mask = keys[None, None, :] <= query_pos.clamp(min=0)[:, :, None]
+    query_index = out_index = None
+    if meta.is_prefill:
+        first = meta.cu_seqlens_q[:-1].long()[:, None]
+        query_index = first + torch.minimum(queries[None, :], query_lens[:, None] - 1)
+        rows = torch.arange(num_seqs, device=device)[:, None] * max_q + queries[None, :]
+        out_index = rows.masked_select(queries[None, :] < query_lens[:, None])
+    meta.padded = PaddedBatch(query_index, key_index.flatten(), mask.unsqueeze(1), out_index)
+    return meta.padded
+
+
+def _gather(cache, scales, slots, block_size) -> torch.Tensor:
+    """[len(slots), KVH, D] float32 rows of a paged cache (dequantized by its scales)."""
+    if scales is None and cache.is_contiguous():
+        return cache.flatten(0, 1).index_select(0, slots).float()
+    blocks, offsets = slots // block_size, slots % block_size
+    x = cache[blocks, offsets].float()
     if scales is not None:
-        x *= scales[blocks].transpose(1, 2).flatten(0, 1)[:num_keys, :, None]
+        x *= scales[blocks, :, offsets][..., None]
     return x
 
 
 def torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                     k_scale=None, v_scale=None) -> torch.Tensor:
-    """Reference: per sequence, its keys gathered through the block table; causal softmax."""
-    num_seqs = meta.context_lens.numel()
-    if meta.is_prefill:
-        query_starts = meta.cu_seqlens_q.tolist()
-    else:
-        query_starts = list(range(num_seqs + 1))
+    """Reference: every sequence at once, keys gathered through the block tables and padded."""
     block_size = k_cache.size(1)
-    group = q.size(1) // k_cache.size(2)
-    out = torch.empty_like(q)
-    for i, num_keys in enumerate(meta.context_lens.tolist()):
-        start, end = query_starts[i], query_starts[i + 1]
-        if meta.is_prefill and not meta.prefix_cached:
-            keys, values = k[start:end].float(), v[start:end].float()
-        else:
-            blocks = meta.block_tables[i, :(num_keys + block_size - 1) // block_size].long()
-            keys = _gather(k_cache, k_scale, blocks, num_keys)
-            values = _gather(v_token_major(v_cache), v_scale, blocks, num_keys)
-        keys, values = (x.repeat_interleave(group, dim=1) for x in (keys, values))
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
-        query_pos = torch.arange(num_keys - (end - start), num_keys, device=q.device)
-        mask = torch.arange(num_keys, device=q.device)[None, :] > query_pos[:, None]
-        probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
-    return out
+    batch = padded_batch(meta, block_size)
+    num_seqs, max_k = batch.mask.size(0), batch.mask.size(-1)
+    if meta.is_prefill and not meta.prefix_cached:
+        keys, values = (x.index_select(0, batch.key_index).float() for x in (k, v))
+    else:
+        keys = _gather(k_cache, k_scale, batch.key_index, block_size)
+        values = _gather(v_token_major(v_cache), v_scale, batch.key_index, block_size)
+    keys, values = (x.view(num_seqs, max_k, *x.shape[1:]).transpose(1, 2) for x in (keys, values))
+    queries = q[batch.query_index] if meta.is_prefill else q.unsqueeze(1)  # [B, Lq, H, D]
+    out = F.scaled_dot_product_attention(queries.float().transpose(1, 2), keys, values,
+                                         attn_mask=batch.mask, scale=scale, enable_gqa=True)
+    out = out.transpose(1, 2).to(q.dtype)
+    if not meta.is_prefill:
+        return out.squeeze(1)
+    return out.flatten(0, 1).index_select(0, batch.out_index)
 
 
 def flash_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,

@@ -137,8 +137,10 @@ def exponential_race(logits: torch.Tensor,
 
 
 def sample_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
     greedy = temperatures == 0
+    if bool(greedy.all()):  # no noise to draw
+        return logits.argmax(dim=-1)
+    logits = logits.float()
     sampled = exponential_race(logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1))
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
@@ -230,6 +232,8 @@ def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> 
         apply_penalties(logits, p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence)
     greedy = meta.temperatures == 0
     greedy_tokens = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return greedy_tokens
     logits.div_(torch.where(greedy, 1.0, meta.temperatures).unsqueeze(1))
     if meta.min_p is not None:
         apply_min_p(logits, meta.min_p)

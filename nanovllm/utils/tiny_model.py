@@ -32,6 +32,10 @@ LLAMA_3_2_1B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidde
                     rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
                                       high_freq_factor=4.0, original_max_position_embeddings=8192),
                     tie_word_embeddings=True)
+SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+                    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, tie_word_embeddings=True)
 
 
 def write_byte_tokenizer(path: str, vocab_size: int = TINY_VOCAB_SIZE):

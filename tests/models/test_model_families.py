@@ -92,7 +92,7 @@ def test_registry_matches_supported_architectures():
 def _write_config(path, **fields) -> str:
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320,
                   hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     config.update(fields)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)

@@ -130,12 +130,17 @@ def quantize_cache_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[to
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
+    """key, value [T, KVH, D] into their slots (-1: nowhere)."""
+    if bool((slot_mapping < 0).any()):
+        valid = slot_mapping >= 0
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    slots = slot_mapping.long()
     blocks, offsets = slots // k_cache.size(1), slots % k_cache.size(1)
     for x, cache, scales in ((key, k_cache, k_scale), (value, v_token_major(v_cache), v_scale)):
-        x = x[valid]
         if scales is not None:
             x, token_scales = quantize_fp8(x)
             scales[blocks, :, offsets] = token_scales
-        cache[blocks, offsets] = x
+        if scales is None and cache.is_contiguous():
+            cache.flatten(0, 1).index_copy_(0, slots, x.to(cache.dtype))
+        else:
+            cache[blocks, offsets] = x

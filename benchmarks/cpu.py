@@ -1,0 +1,111 @@
+"""Batched greedy decode on the CPU: ours against transformers' `generate`, in one process, on a
+random-weight SmolLM2-135M-shaped checkpoint (written once under ~/.cache/nanovllm/).
+
+    python -m benchmarks.cpu                      # 8 prompts x 64 new tokens, float32
+    python -m benchmarks.cpu --profile            # then where 8 of our steps' time goes
+"""
+
+import argparse
+import os
+import random
+import time
+
+import torch
+
+from nanovllm.utils.tiny_model import SMOLLM2_135M, write_benchmark_checkpoint
+
+CHECKPOINT = os.path.expanduser("~/.cache/nanovllm/smollm2-135m-random")
+
+
+def checkpoint(path: str = CHECKPOINT) -> str:
+    if not os.path.exists(os.path.join(path, "config.json")):
+        write_benchmark_checkpoint(path, SMOLLM2_135M, dtype="float32")
+        # one shard: named as transformers looks for an unindexed checkpoint
+        os.replace(os.path.join(path, "model-00000.safetensors"),
+                   os.path.join(path, "model.safetensors"))
+    return path
+
+
+def prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(300, vocab_size) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num_prompts)]
+
+
+def run_transformers(path: str, batch: list[list[int]], new_tokens: int, repeats: int):
+    """(best seconds of `repeats`, token lists) of a batched greedy `generate`, left-padded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    width = max(map(len, batch))
+    pad = model.generation_config.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(ids[:, -8:], attention_mask=mask[:, -8:], do_sample=False,
+                       max_new_tokens=4, pad_token_id=pad)  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = model.generate(ids, **kwargs)
+            seconds.append(time.perf_counter() - start)
+    return min(seconds), out[:, width:].tolist()
+
+
+def run_ours(path: str, batch: list[list[int]], new_tokens: int, repeats: int, profile: bool):
+    from nanovllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    with LLM(path, device="cpu", num_kvcache_blocks=64, max_model_len=1024) as llm:
+        llm.generate([p[:8] for p in batch], SamplingParams(temperature=0, max_tokens=4),
+                     use_tqdm=False)  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            llm.reset_prefix_cache()  # each run prefills its prompts in full, as transformers
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            seconds.append(time.perf_counter() - start)
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                llm.generate(batch, short, use_tqdm=False)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+                                            max_name_column_width=50))
+    return min(seconds), [o["token_ids"] for o in outs]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--min-len", type=int, default=32)
+    parser.add_argument("--max-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best counts")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+
+    path = checkpoint()
+    batch = prompts(args.prompts, args.min_len, args.max_len, SMOLLM2_135M["vocab_size"])
+    generated = args.prompts * args.new_tokens
+    print(f"{args.prompts} prompts of {args.min_len}-{args.max_len} tokens x {args.new_tokens} "
+          f"new, float32, {torch.get_num_threads()} threads, best of {args.repeats}")
+    theirs = None
+    if not args.skip_transformers:
+        seconds, theirs = run_transformers(path, batch, args.new_tokens, args.repeats)
+        print(f"transformers generate: {generated / seconds:7.1f} tok/s ({seconds:.2f} s)")
+    seconds, ours = run_ours(path, batch, args.new_tokens, args.repeats, args.profile)
+    print(f"nanovllm (cpu):        {generated / seconds:7.1f} tok/s ({seconds:.2f} s)")
+    if theirs is not None:
+        same = sum(a == b for a, b in zip(ours, theirs))
+        print(f"identical tokens: {same} of {args.prompts} prompts")
+
+
+if __name__ == "__main__":
+    main()
