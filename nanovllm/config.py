@@ -117,8 +117,8 @@ class Config:
         if self.attention_backend == "auto":
             if self.device == "cpu":
                 self.attention_backend = "torch"
-            elif self.kv_cache_dtype == "fp8":
-                self.attention_backend = "triton"
+            elif self.kv_cache_dtype == "fp8" or self.dtype == "float32":
+                self.attention_backend = "triton"  # flash-attn takes neither
             else:
                 self.attention_backend = _cuda_default_backend(head_dim(self.hf_config))
         self._check_backend(torch)
@@ -142,6 +142,9 @@ class Config:
         if self.attention_backend == "flash_attn":
             if self.device != "cuda":
                 raise ValueError("attention_backend='flash_attn' needs device='cuda'")
+            if self.dtype == "float32":
+                raise ValueError("attention_backend='flash_attn' takes float16 or bfloat16 only, "
+                                 "got dtype='float32' (the 'triton' backend takes float32)")
             if self.kvcache_block_size % 256:
                 raise ValueError("attention_backend='flash_attn' needs kvcache_block_size to be a "
                                  f"multiple of 256, got {self.kvcache_block_size}")

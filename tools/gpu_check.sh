@@ -7,7 +7,7 @@
 # the benches also in BASELINE_BENCHES (default: all) run right after ours. Each item runs under
 # `timeout $STEP_TIMEOUT` (tests: $TEST_TIMEOUT). The cpu_suite tests skip themselves under CUDA.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
 FILTER="Writing|Loading|it/s\]|Warning|_warn_once|recompile|W1130|_dynamo"

@@ -205,7 +205,9 @@ class Attention(nn.Module):
                     v_scale=self.v_scale)
 
     def decodes_from_qkv(self, qkv: torch.Tensor | SplitKSum, meta: AttentionMetadata) -> bool:
+        # Its output feeds the skinny GEMM, which takes 16-bit rows only.
         return (self.attend is triton_attention and not meta.is_prefill
+                and qkv.dtype in (torch.bfloat16, torch.float16)
                 and qkv.shape[0] <= SKINNY_MAX_ROWS and meta.slot_mapping is not None
                 and self.k_cache.numel() > 0)
 
