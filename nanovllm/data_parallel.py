@@ -74,6 +74,17 @@ def _check_option_names(options: dict):
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
 
 
+def replica_resources(ray, options: dict) -> tuple[str, dict]:
+    """The device of an engine with these options on this Ray cluster ("auto": "cuda" if the
+    cluster has GPUs), and what its actor asks Ray for: a GPU per tensor-parallel rank (CPUs on
+    the CPU)."""
+    tp = options.get("tensor_parallel_size", 1)
+    device = options.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    return device, ({"num_gpus": tp, "num_cpus": 1} if device == "cuda" else {"num_cpus": tp})
+
+
 class DataParallelLLM:
     """`data_parallel_size` engines, each an `LLM` in a Ray actor with `tensor_parallel_size` GPUs
     (CPUs on the CPU). On an initialised Ray (`ray.init(address=...)`) they go on that cluster,
@@ -101,16 +112,14 @@ class DataParallelLLM:
     def _start(self, model: str, options: dict, num_replicas: int):
         """Start every replica at once; any failure stops them all and raises."""
         ray = self.ray
-        tp = options.get("tensor_parallel_size", 1)
-        device = options.get("device", "auto")
-        if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-        resource = "GPU" if device == "cuda" else "CPU"
-        have = ray.cluster_resources().get(resource, 0)
-        if have < num_replicas * tp:
-            raise ValueError(f"data_parallel_size={num_replicas} x tensor_parallel_size={tp} "
-                             f"needs {num_replicas * tp} {resource}s; the Ray cluster has {have:g}")
-        resources = {"num_gpus": tp, "num_cpus": 1} if device == "cuda" else {"num_cpus": tp}
+        device, resources = replica_resources(ray, options)
+        kind = "GPU" if device == "cuda" else "CPU"
+        need = num_replicas * resources[f"num_{kind.lower()}s"]
+        have = ray.cluster_resources().get(kind, 0)
+        if have < need:
+            raise ValueError(f"data_parallel_size={num_replicas} replicas of "
+                             f"tensor_parallel_size={options.get('tensor_parallel_size', 1)} "
+                             f"need {need} {kind}s; the Ray cluster has {have:g}")
         actor_class = ray.remote(EngineReplica).options(
             max_concurrency=num_replicas + 2, max_restarts=0, **resources)
         self.replicas = [Replica(actor_class.remote()) for _ in range(num_replicas)]
