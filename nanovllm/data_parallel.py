@@ -102,7 +102,8 @@ class DataParallelLLM:
         model = os.path.expanduser(os.fspath(model))
         self.vocab_size = load_hf_config(model).vocab_size
         skip = options.get("skip_tokenizer_init", False)
-        self.tokenizer = load_tokenizer(types.SimpleNamespace(model=model, skip_tokenizer_init=skip))
+        self.tokenizer = load_tokenizer(types.SimpleNamespace(model=model,
+                                                              skip_tokenizer_init=skip))
         self._call_ids = itertools.count()
         self.num_rerun_requests = 0  # requests re-run because their replica died
         if not ray.is_initialized():
