@@ -269,6 +269,8 @@ class DataParallelLLM:
             return
         self._exited = True
         ray, replicas, self.replicas = self.ray, self.replicas, []
+        if not ray.is_initialized():  # ray.shutdown() already ended the actors
+            return
         refs = [replica.actor.exit.remote() for replica in replicas]
         ray.wait(refs, num_returns=len(refs), timeout=EXIT_SECONDS)
         for replica in replicas:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.data_parallel import balance
+from nanovllm.data_parallel import balance, uses_ray
 
 pytestmark = pytest.mark.cpu_suite  # CPU actors, exact against one CPU engine
 
@@ -72,6 +72,13 @@ def run_bounded(call):
     return result["value"]
 
 
+def test_uses_ray_only_for_replicas_or_when_asked():
+    assert not uses_ray({})
+    assert not uses_ray({"data_parallel_size": 1, "data_parallel_backend": "auto"})
+    assert uses_ray({"data_parallel_size": 2})
+    assert uses_ray({"data_parallel_backend": "ray"})
+
+
 def test_balance_gives_the_costliest_to_the_lightest_shard():
     # 5 -> a; 4 -> b; 3 -> b (4 < 5); 2 -> a (5 < 7); 1 -> a (7 = 7, lower shard first)
     assert balance([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
@@ -88,7 +95,8 @@ def test_greedy_and_seeded_equal_one_engine_in_input_order(dp_llm, uneven_prompt
 
 def test_text_prompts_and_chat_equal_one_engine(dp_llm, tiny_model):
     conversations = [[{"role": "user", "content": "hi " * n}] for n in (1, 7, 3)]
-    with LLM(tiny_model, **OPTIONS) as llm:
+    with LLM(tiny_model, data_parallel_size=1, **OPTIONS) as llm:  # one in-process engine
+        assert isinstance(llm, LLM)
         texts = llm.generate(["Hello", "a longer prompt"], GREEDY, use_tqdm=False)
         chats = llm.chat(conversations, GREEDY, use_tqdm=False)
     assert dp_llm.generate(["Hello", "a longer prompt"], GREEDY, use_tqdm=False) == texts
