@@ -132,6 +132,14 @@ class DataParallelLLM:
             self.exit()
             raise
 
+    def __getattr__(self, name: str):
+        from nanovllm.llm import LLM
+
+        if not name.startswith("_") and hasattr(LLM, name):  # stream, step, add_request, ...
+            raise AttributeError(f"LLM.{name} runs on one engine; with data-parallel replicas use "
+                                 "generate or chat")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def data_parallel_size(self) -> int:
         """The replicas alive."""

@@ -116,6 +116,8 @@ def test_broadcast_reaches_every_replica(dp_llm):
     dp_llm.reset_prefix_cache()
     with pytest.raises(AttributeError, match="the engine has no method 'no_such_method'"):
         dp_llm._broadcast("no_such_method")
+    with pytest.raises(AttributeError, match="LLM.stream runs on one engine"):
+        dp_llm.stream([[1]], GREEDY)
 
 
 def test_a_replica_killed_mid_batch(dp_llm, ray_session, uneven_prompts, tiny_model):
