@@ -23,24 +23,47 @@ def _is_conversation(messages) -> bool:
         for m in messages)
 
 
+def conversation_prompts(tokenizer, messages) -> list[list[int]]:
+    """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered by the
+    chat template with the assistant's turn opened, as token ids."""
+    is_one = isinstance(messages, list) and messages and isinstance(messages[0], dict)
+    conversations = [messages] if is_one else messages
+    if not isinstance(conversations, (list, tuple)) or not conversations:
+        raise TypeError("messages must be a conversation (a list of message dicts) or a "
+                        f"non-empty list of them, got {messages!r}")
+    for i, conversation in enumerate(conversations):
+        if not _is_conversation(conversation):
+            raise TypeError(f"conversation {i} must be a non-empty list of "
+                            f"{{'role': str, 'content': str}} dicts, got {conversation!r}")
+    # The chat template places the special tokens, so encoding adds none (as vLLM).
+    return [tokenizer.encode(
+        tokenizer.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False) for c in conversations]
+
+
 class LLM(LLMEngine):
-    """The public entry point: `LLM(model_dir, **options).generate(prompts, sampling_params)`."""
+    """The public entry point: `LLM(model_dir, **options).generate(prompts, sampling_params)`.
+
+    With `data_parallel_size > 1` (or `data_parallel_backend="ray"`) it returns a
+    `DataParallelLLM`: replicas of the engine as Ray actors (nanovllm/data_parallel.py)."""
+
+    def __new__(cls, *args, **options):
+        from nanovllm.data_parallel import uses_ray
+
+        if uses_ray(options):
+            from nanovllm.data_parallel import DataParallelLLM
+
+            return DataParallelLLM(*args, **options)
+        return super().__new__(cls)
+
+    def __init__(self, model: str, **options):
+        for name in ("data_parallel_size", "data_parallel_backend"):
+            options.pop(name, None)  # checked by uses_ray: one in-process engine
+        super().__init__(model, **options)
 
     def chat(self, messages, sampling_params, use_tqdm: bool = True) -> list[dict]:
         """Reply to one conversation (a list of {"role", "content"} dicts) or a list of them."""
-        is_one = isinstance(messages, list) and messages and isinstance(messages[0], dict)
-        conversations = [messages] if is_one else messages
-        if not isinstance(conversations, (list, tuple)) or not conversations:
-            raise TypeError("messages must be a conversation (a list of message dicts) or a "
-                            f"non-empty list of them, got {messages!r}")
-        for i, conversation in enumerate(conversations):
-            if not _is_conversation(conversation):
-                raise TypeError(f"conversation {i} must be a non-empty list of "
-                                f"{{'role': str, 'content': str}} dicts, got {conversation!r}")
-        # The chat template places the special tokens, so encoding adds none (as vLLM).
-        prompts = [self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False) for c in conversations]
+        prompts = conversation_prompts(self.tokenizer, messages)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompts, sampling_params) -> Iterator[StreamOutput]:

@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -330,13 +331,15 @@ class LLMEngine:
                 finished.append(seq)
         return finished
 
-    def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
+    def generate(self, prompts, sampling_params,
+                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[dict]:
         """Run a batch to completion; outputs in input order. Other callers' requests (threads,
-        open streams) advance in the same steps."""
+        open streams) advance in the same steps. `use_tqdm` may be a tqdm-like factory."""
         seqs = self.make_sequences(prompts, sampling_params)
         self._add(seqs)
-        pbar = tqdm(total=len(seqs), desc="Generating", unit="req", dynamic_ncols=True,
-                    disable=not use_tqdm)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        pbar = make_bar(total=len(seqs), desc="Generating", unit="req", dynamic_ncols=True,
+                        disable=not use_tqdm)
         start = last_refresh = perf_counter()
         num_prefill = num_decode = 0
         unfinished = seqs

@@ -19,6 +19,21 @@ class CommittedStep:
     num_tokens: int
 
 
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int,
+               num_blocks: int):
+    """Raise ValueError if a request of this size could never be scheduled in such a pool."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise ValueError(f"prompt length {num_prompt_tokens} + max_tokens {max_tokens} = "
+                         f"{total} exceeds max_model_len={max_model_len}")
+    # The last sampled token is never fed back, so its KV never needs a slot.
+    blocks = (total - 1 + block_size - 1) // block_size
+    if blocks > num_blocks:
+        raise ValueError(f"request needs {blocks} KV blocks of {block_size} tokens (prompt "
+                         f"{num_prompt_tokens} + max_tokens {max_tokens}) but the pool has "
+                         f"only {num_blocks}")
+
+
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  num_blocks: int, block_size: int, eos_token_ids: set[int]):
@@ -35,17 +50,8 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int):
         """Raise ValueError if a request of this size could never be scheduled."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt length {num_prompt_tokens} + max_tokens {max_tokens} = "
-                             f"{total} exceeds max_model_len={self.max_model_len}")
         bm = self.block_manager
-        # The last sampled token is never fed back, so its KV never needs a slot.
-        blocks = (total - 1 + bm.block_size - 1) // bm.block_size
-        if blocks > bm.num_blocks:
-            raise ValueError(f"request needs {blocks} KV blocks of {bm.block_size} tokens (prompt "
-                             f"{num_prompt_tokens} + max_tokens {max_tokens}) but the pool has "
-                             f"only {bm.num_blocks}")
+        check_fits(num_prompt_tokens, max_tokens, self.max_model_len, bm.block_size, bm.num_blocks)
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)

@@ -1,0 +1,203 @@
+"""Data parallelism on Ray: replicas give one engine's tokens in input order, survive a killed
+replica, and the Ray Data helper equals generate. One local Ray (CPU actors) for the module."""
+
+import sys
+import threading
+import time
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.data_parallel import balance, uses_ray
+
+pytestmark = pytest.mark.cpu_suite  # CPU actors, exact against one CPU engine
+
+OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+CALL_SECONDS = 120  # a call that takes longer hangs
+
+
+def seeded(n: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.9, top_k=50, seed=100 + i, max_tokens=8 + i % 5,
+                           ignore_eos=True) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    # Logical CPUs: the replicas and Ray Data's actors and tasks must all be schedulable at once.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dp_llm(ray_session, tiny_model):
+    llm = LLM(tiny_model, data_parallel_size=2, **OPTIONS)
+    yield llm
+    llm.exit()
+
+
+@pytest.fixture(scope="module")
+def uneven_prompts(prompts) -> list[list[int]]:
+    return prompts + [[(5 * i) % 250 + 3 for i in range(n)] for n in (90, 2, 45)]
+
+
+@pytest.fixture(scope="module")
+def one_engine(tiny_model, uneven_prompts):
+    """One in-process engine's greedy and seeded outputs for uneven_prompts."""
+    with LLM(tiny_model, **OPTIONS) as llm:
+        greedy = llm.generate(uneven_prompts, GREEDY, use_tqdm=False)
+        sampled = llm.generate(uneven_prompts, seeded(len(uneven_prompts)), use_tqdm=False)
+    return greedy, sampled
+
+
+def run_bounded(call):
+    """call() on a thread: its result or its exception, or a failure if it does not return within
+    CALL_SECONDS."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = call()
+        except BaseException as error:
+            result["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(CALL_SECONDS)
+    assert not thread.is_alive(), f"the call did not return within {CALL_SECONDS} s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def test_uses_ray_only_for_replicas_or_when_asked():
+    assert not uses_ray({})
+    assert not uses_ray({"data_parallel_size": 1, "data_parallel_backend": "auto"})
+    assert uses_ray({"data_parallel_size": 2})
+    assert uses_ray({"data_parallel_backend": "ray"})
+
+
+def test_balance_gives_the_costliest_to_the_lightest_shard():
+    # 5 -> a; 4 -> b; 3 -> b (4 < 5); 2 -> a (5 < 7); 1 -> a (7 = 7, lower shard first)
+    assert balance([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
+    assert balance([1, 1], 3) == [[0], [1], []]
+
+
+def test_greedy_and_seeded_equal_one_engine_in_input_order(dp_llm, uneven_prompts, one_engine):
+    greedy, sampled = one_engine
+    assert dp_llm.data_parallel_size == 2
+    outputs = dp_llm.generate(uneven_prompts, GREEDY)
+    assert outputs == greedy
+    assert dp_llm.generate(uneven_prompts, seeded(len(uneven_prompts)), use_tqdm=False) == sampled
+
+
+def test_text_prompts_and_chat_equal_one_engine(dp_llm, tiny_model):
+    conversations = [[{"role": "user", "content": "hi " * n}] for n in (1, 7, 3)]
+    with LLM(tiny_model, data_parallel_size=1, **OPTIONS) as llm:  # one in-process engine
+        assert isinstance(llm, LLM)
+        texts = llm.generate(["Hello", "a longer prompt"], GREEDY, use_tqdm=False)
+        chats = llm.chat(conversations, GREEDY, use_tqdm=False)
+    assert dp_llm.generate(["Hello", "a longer prompt"], GREEDY, use_tqdm=False) == texts
+    assert dp_llm.chat(conversations, GREEDY, use_tqdm=False) == chats
+
+
+def test_bad_requests_raise_before_any_is_sent(dp_llm):
+    too_long = SamplingParams(max_tokens=300)
+    with pytest.raises(ValueError, match=r"prompt 1: .* exceeds max_model_len=256"):
+        dp_llm.generate([[1, 2], [3]], [GREEDY, too_long])
+    with pytest.raises(ValueError, match=r"prompt 0 has token id 999 outside the vocabulary"):
+        dp_llm.generate([[999]], GREEDY)
+
+
+def test_broadcast_reaches_every_replica(dp_llm):
+    assert dp_llm._broadcast("is_finished") == [True, True]
+    dp_llm.reset_prefix_cache()
+    with pytest.raises(AttributeError, match="the engine has no method 'no_such_method'"):
+        dp_llm._broadcast("no_such_method")
+    with pytest.raises(AttributeError, match="LLM.stream runs on one engine"):
+        dp_llm.stream([[1]], GREEDY)
+
+
+def test_a_replica_killed_mid_batch(dp_llm, ray_session, uneven_prompts, tiny_model):
+    """The killed replica's requests re-run on the other; every output equals one engine's."""
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    prompts = [p[:40] for p in uneven_prompts]
+    with LLM(tiny_model, **OPTIONS) as llm:
+        expected = llm.generate(prompts, params, use_tqdm=False)
+    victim = dp_llm.replicas[0].actor
+
+    def kill_once_busy():
+        deadline = time.monotonic() + CALL_SECONDS
+        while not ray_session.get(victim.progress.remote()) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the victim runs its shard
+        ray_session.kill(victim)
+
+    killer = threading.Thread(target=kill_once_busy, daemon=True)
+    killer.start()
+    outputs = run_bounded(lambda: dp_llm.generate(prompts, params, use_tqdm=False))
+    killer.join()
+    assert dp_llm.num_rerun_requests > 0
+    assert dp_llm.data_parallel_size == 1
+    assert outputs == expected
+
+
+def test_every_replica_dead_is_a_clear_error(dp_llm, ray_session):
+    for replica in list(dp_llm.replicas):
+        ray_session.kill(replica.actor)
+    with pytest.raises(RuntimeError, match="every data-parallel replica has died"):
+        run_bounded(lambda: dp_llm.generate([[1, 2, 3]], GREEDY))
+
+
+def test_ray_data_helper_equals_generate(ray_session, tiny_model):
+    from nanovllm.ray_data import generate_dataset
+
+    rows = [{"id": i, "prompt": [(7 * i + j) % 250 + 1 for j in range(1 + i % 13)]}
+            for i in range(200)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(tiny_model, **OPTIONS) as llm:
+        expected = llm.generate([row["prompt"] for row in rows], params, use_tqdm=False)
+    dataset = ray_session.data.from_items(rows)
+    out = generate_dataset(dataset, tiny_model, params, num_replicas=2, batch_size=50, **OPTIONS)
+    out = sorted(out.take_all(), key=lambda row: row["id"])
+    assert [row["id"] for row in out] == list(range(200))
+    assert [list(row["generated_token_ids"]) for row in out] == [o["token_ids"] for o in expected]
+    assert [row["generated_text"] for row in out] == [o["text"] for o in expected]
+    assert {row["finish_reason"] for row in out} == {"length"}
+
+
+@pytest.mark.parametrize("size,error,message", [
+    (0, ValueError, "data_parallel_size must be >= 1, got 0"),
+    (-2, ValueError, "data_parallel_size must be >= 1, got -2"),
+    (2.0, TypeError, "data_parallel_size must be an int, got 2.0"),
+    ("2", TypeError, "data_parallel_size must be an int, got '2'"),
+    (True, TypeError, "data_parallel_size must be an int, got True"),
+])
+def test_bad_data_parallel_size(tiny_model, size, error, message):
+    with pytest.raises(error, match=message):
+        LLM(tiny_model, data_parallel_size=size)
+
+
+def test_bad_backend_and_unknown_option(tiny_model):
+    with pytest.raises(ValueError, match=r"data_parallel_backend='mp' is not one of \('auto', "):
+        LLM(tiny_model, data_parallel_backend="mp")
+    with pytest.raises(TypeError, match="unknown option 'max_num_seq'"):
+        LLM(tiny_model, data_parallel_size=2, max_num_seq=4)
+
+
+def test_ray_missing_names_the_extra(tiny_model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ImportError, match=r"data_parallel_size=2 needs Ray.*nanovllm\[ray\]"):
+        LLM(tiny_model, data_parallel_size=2)
+    with pytest.raises(ImportError, match=r"needs Ray.*nanovllm\[ray\]"):
+        LLM(tiny_model, data_parallel_backend="ray")
+
+
+def test_import_nanovllm_does_not_import_ray():
+    import subprocess
+
+    code = "import sys, nanovllm; from nanovllm import LLM; print('ray' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
