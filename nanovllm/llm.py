@@ -1,5 +1,6 @@
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
@@ -15,6 +16,7 @@ class StreamOutput:
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sample: int = 0  # which of the prompt's SamplingParams.n completions
 
 
 def _is_conversation(messages) -> bool:
@@ -26,7 +28,7 @@ def _is_conversation(messages) -> bool:
 class LLM(LLMEngine):
     """The public entry point: `LLM(model_dir, **options).generate(prompts, sampling_params)`."""
 
-    def chat(self, messages, sampling_params, use_tqdm: bool = True) -> list[dict]:
+    def chat(self, messages, sampling_params, use_tqdm: bool = True) -> list:
         """Reply to one conversation (a list of {"role", "content"} dicts) or a list of them."""
         is_one = isinstance(messages, list) and messages and isinstance(messages[0], dict)
         conversations = [messages] if is_one else messages
@@ -49,22 +51,23 @@ class LLM(LLMEngine):
 
     def _stream(self, seqs: list[Sequence]) -> Iterator[StreamOutput]:
         self._add(seqs)
-        pending = dict(enumerate(seqs))
+        pending = dict(enumerate(seqs))  # flat: the samples of a prompt follow one another
         sent = {index: (0, 0) for index in pending}  # tokens and characters already yielded
+        prompt_of = list(accumulate(seq.sample_index == 0 for seq in seqs))
         try:
             while pending:
                 with self._lock:  # another caller's steps may have advanced these requests
-                    outputs = _new_outputs(pending, sent)
+                    outputs = _new_outputs(pending, sent, prompt_of)
                     if not outputs:
                         self.step()
-                        outputs = _new_outputs(pending, sent)
+                        outputs = _new_outputs(pending, sent, prompt_of)
                 yield from outputs
         finally:
             self._abort(list(pending.values()))
 
 
-def _new_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]]
-                 ) -> list[StreamOutput]:
+def _new_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],
+                 prompt_of: list[int]) -> list[StreamOutput]:
     """What the pending requests produced since `sent`; drops the finished ones from `pending`."""
     outputs = []
     for index, seq in list(pending.items()):
@@ -78,6 +81,7 @@ def _new_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]]
             del pending[index]
         start = seq.num_prompt_tokens + num_tokens
         new_tokens = seq.token_ids[start:seq.num_prompt_tokens + seq.num_output_tokens]
-        outputs.append(StreamOutput(index, text[num_chars:end], new_tokens, seq.is_finished,
-                                    seq.finish_reason, seq.stop_reason))
+        outputs.append(StreamOutput(prompt_of[index] - 1, text[num_chars:end], new_tokens,
+                                    seq.is_finished, seq.finish_reason, seq.stop_reason,
+                                    seq.sample_index))
     return outputs

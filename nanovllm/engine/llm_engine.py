@@ -18,6 +18,7 @@ from nanovllm.engine.requests import (
     as_batch,
     check_request,
     eos_token_ids,
+    group_samples,
     load_tokenizer,
     request_output,
 )
@@ -86,6 +87,7 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._stepping = self._out_of_step = False
         self._aborted: list[Sequence] = []  # closed streams' requests, finished at the next chance
+        self.num_prefilled_tokens = 0  # tokens computed by prefill steps, since start-up
         self._excepthook = sys.excepthook  # init_process_group wraps it
         atexit.register(self.exit)
         self._exited = False
@@ -196,11 +198,12 @@ class LLMEngine:
         for i, (tokens, sp) in enumerate(zip(token_lists, sampling_params)):
             check_request(i, tokens, sp, self.config.hf_config.vocab_size)
             try:
-                self.scheduler.check_fits(len(tokens), sp.max_tokens)
+                self.scheduler.check_fits(len(tokens), sp.max_tokens, sp.n)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        seqs = [Sequence(tokens, sp, self.config.kvcache_block_size, self.eos_token_ids)
-                for tokens, sp in zip(token_lists, sampling_params)]
+        seqs = [sample for tokens, sp in zip(token_lists, sampling_params)
+                for sample in Sequence(tokens, sp, self.config.kvcache_block_size,
+                                       self.eos_token_ids).make_samples()]
         for seq in seqs:
             if detokenize or seq.sampling_params.stop:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids,
@@ -208,17 +211,18 @@ class LLMEngine:
         return seqs
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its sequence id."""
-        (seq,) = self.make_sequences([prompt], [sampling_params])
-        self._add([seq])
-        return seq.seq_id
+        """Queue one request; returns its (first sample's) sequence id; samples 1.. of n follow."""
+        seqs = self.make_sequences([prompt], [sampling_params])
+        self._add(seqs)
+        return seqs[0].seq_id
 
     def _add(self, seqs: list[Sequence]):
         with self._lock:
             self._check_alive()
             self._apply_aborts()
             for seq in seqs:
-                self.scheduler.add(seq)
+                if seq.sample_index == 0:  # the others wait in its forks
+                    self.scheduler.add(seq)
 
     def _abort(self, seqs: list[Sequence]):
         """Finish these requests ("abort") now, or at the next step if one is running."""
@@ -287,6 +291,7 @@ class LLMEngine:
         if done is None:
             return StepResult(finished, 0, 0)
         prefill = done.num_tokens if done.is_prefill else 0
+        self.num_prefilled_tokens += prefill
         return StepResult(finished, prefill, done.num_tokens - prefill)
 
     def _postprocess_inflight(self) -> tuple[CommittedStep, list[Sequence]]:
@@ -330,9 +335,10 @@ class LLMEngine:
                 finished.append(seq)
         return finished
 
-    def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
-        """Run a batch to completion; outputs in input order. Other callers' requests (threads,
-        open streams) advance in the same steps."""
+    def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list:
+        """Run a batch to completion; outputs in input order, per prompt a dict, or with
+        SamplingParams.n > 1 a list of its n dicts in sample order. Other callers' requests
+        (threads, open streams) advance in the same steps."""
         seqs = self.make_sequences(prompts, sampling_params)
         self._add(seqs)
         pbar = tqdm(total=len(seqs), desc="Generating", unit="req", dynamic_ncols=True,
@@ -345,7 +351,8 @@ class LLMEngine:
                 with self._lock:
                     unfinished = [seq for seq in unfinished if not seq.is_finished]
                     if not unfinished:
-                        outputs = [request_output(seq, self.tokenizer) for seq in seqs]
+                        outputs = group_samples(seqs, [request_output(seq, self.tokenizer)
+                                                       for seq in seqs])
                         break
                     result = self.step()
                 num_prefill += result.num_prefill_tokens

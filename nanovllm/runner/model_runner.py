@@ -226,6 +226,7 @@ class ModelRunner:
         if is_prefill:
             input_ids, positions, meta, sample_rows = self.inputs.prepare_prefill(seqs)
             hidden = self.model(input_ids, positions, meta)[sample_rows]
+            self._copy_blocks(self.inputs.fork_block_copies(seqs))
             sampling_seqs = [seq for seq in seqs if seq.completes_prefill]
         else:
             graphs = self.graphs
@@ -253,6 +254,15 @@ class ModelRunner:
             dist.broadcast(tokens, src=0)
         self.inputs.keep_sampled(tokens, sampling_seqs)
         return PendingOutput(output, self.channel) if self.rank == 0 else None
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]):
+        """KV (and fp8 scales) of block src into block dst, for each (src, dst): copy-on-write."""
+        if not copies:
+            return
+        src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+        for pool in (self.kv_cache, self.kv_scales):  # [2, layers, blocks, ...]
+            if pool is not None:
+                pool[:, :, dst] = pool[:, :, src]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if self.sampler_graphs is not None and self.sampler_graphs.applies(seqs):
