@@ -1,9 +1,12 @@
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import accumulate
 
+import torch
+
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.loader import check_weights, checkpoint_specs, checkpoint_tensors
 
 
 @dataclass(slots=True)
@@ -65,6 +68,84 @@ class LLM(LLMEngine):
         finally:
             self._abort(list(pending.values()))
 
+
+    def update_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs into the weights in place, as start-up loads them (TP shards,
+        packed q/k/v and gate/up): names as the checkpoint's (a trainer's state_dict(), or a
+        dict), full tensors on any device, any subset. All are checked before any is copied.
+        Refused while requests are unfinished; the prefix cache is reset after."""
+        pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                    and isinstance(pair[1], torch.Tensor)):
+                raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got "
+                                f"{type(pair).__name__}")
+        self._load_weights([(name, tuple(t.shape)) for name, t in pairs], pairs)
+
+    def update_weights_from_path(self, path: str) -> None:
+        """update_weights with the tensors of `path`/*.safetensors, checked from the headers."""
+        self._load_weights(checkpoint_specs(path), checkpoint_tensors(path))
+
+    def _load_weights(self, specs: list[tuple[str, tuple]], weights):
+        with self._lock:
+            self._check_alive(awake=False)
+            if self.sleep_level:
+                raise RuntimeError("update_weights() while asleep: call wake_up() first")
+            self._drain("update_weights()")
+            check_weights(self.model_runner.weight_shapes, specs)
+            self._on_all_ranks("update_weights", specs, local=(weights,))
+            self.unloaded_weights -= {name for name, _ in specs}
+            self.scheduler.block_manager.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (its prefix cache too) and the CUDA graphs; level 1 keeps the weights
+        in pinned host memory, level 2 discards them (load them after wake_up() with
+        update_weights()). Refused while requests are unfinished."""
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        with self._lock:
+            self._check_alive(awake=False)
+            if self.sleep_level:
+                raise RuntimeError(f"already asleep (sleep(level={self.sleep_level}))")
+            self._drain("sleep()")
+            self.scheduler.block_manager.reset_prefix_cache()
+            self._on_all_ranks("sleep", level)
+            self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Restore what sleep() freed and capture the CUDA graphs again (a no-op when awake)."""
+        with self._lock:
+            self._check_alive(awake=False)
+            if not self.sleep_level:
+                return
+            self._on_all_ranks("wake_up")
+            if self.sleep_level == 2:
+                tied = getattr(self.model_runner.model, "tie_word_embeddings", False)
+                self.unloaded_weights = set(self.model_runner.weight_shapes) - (
+                    {"lm_head.weight"} if tied else set())
+            self.sleep_level = 0
+
+    def _drain(self, action: str):
+        """Finish the last step in flight; raise if requests are unfinished."""
+        self._apply_aborts()
+        if self.inflight is not None and self.scheduler.is_finished():
+            self.step()  # a step launched for requests that have all finished since
+        unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if unfinished:
+            raise RuntimeError(f"{action} refused: {unfinished} requests are unfinished; let "
+                               "them finish (or close their streams) first")
+
+    def _on_all_ranks(self, method: str, *args, local: tuple = ()):
+        """Run a runner method on every rank (rank 0 with `local` args too); on failure the ranks
+        may be out of step, so the LLM exits."""
+        try:
+            if self.channel is not None:
+                self.channel.send(method, *args)
+            getattr(self.model_runner, method)(*args, *local)
+        except BaseException:
+            self._out_of_step = True
+            self.exit()
+            raise
 
 def _new_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],
                  prompt_of: list[int]) -> list[StreamOutput]:

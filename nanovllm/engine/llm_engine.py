@@ -88,6 +88,8 @@ class LLMEngine:
         self._stepping = self._out_of_step = False
         self._aborted: list[Sequence] = []  # closed streams' requests, finished at the next chance
         self.num_prefilled_tokens = 0  # tokens computed by prefill steps, since start-up
+        self.sleep_level = 0  # LLM.sleep's level while asleep
+        self.unloaded_weights: set[str] = set()  # discarded by sleep(level=2), not reloaded yet
         self._excepthook = sys.excepthook  # init_process_group wraps it
         atexit.register(self.exit)
         self._exited = False
@@ -182,9 +184,17 @@ class LLMEngine:
     def __exit__(self, *exc):
         self.exit()
 
-    def _check_alive(self):
+    def _check_alive(self, awake: bool = True):
         if self._exited:
             raise RuntimeError("this LLM has exited; create a new one")
+        if awake and self.sleep_level:
+            raise RuntimeError(f"this LLM is asleep (sleep(level={self.sleep_level})): call "
+                               "wake_up() first")
+        if awake and self.unloaded_weights:
+            raise RuntimeError(
+                f"{len(self.unloaded_weights)} weights discarded by sleep(level=2) are not loaded "
+                f"again (e.g. {min(self.unloaded_weights)!r}): pass them to update_weights() or "
+                "update_weights_from_path() first")
 
     def make_sequences(self, prompts, sampling_params, detokenize: bool = False) -> list[Sequence]:
         """Validate a whole batch, then make its sequences; raises before anything is queued."""
