@@ -58,6 +58,10 @@ def test_tp2_update_over_gloo(tiny_model, model_b, update_prompts):
         llm.generate(update_prompts[:1], GREEDY, use_tqdm=False)
         llm.update_weights(state_dict)
         assert tokens(llm.generate(update_prompts, GREEDY, use_tqdm=False)) == expected
+        llm.sleep(2)
+        llm.wake_up()
+        llm.update_weights(state_dict)
+        assert tokens(llm.generate(update_prompts, GREEDY, use_tqdm=False)) == expected
 
 
 @pytest.fixture(scope="module")
