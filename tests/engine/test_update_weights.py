@@ -62,6 +62,11 @@ def test_tp2_update_over_gloo(tiny_model, model_b, update_prompts):
         llm.wake_up()
         llm.update_weights(state_dict)
         assert tokens(llm.generate(update_prompts, GREEDY, use_tqdm=False)) == expected
+        # Forks on every rank: each copies the partial last block of its parent's prompt.
+        pairs = SamplingParams(n=2, temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        outputs = llm.generate(update_prompts, pairs, use_tqdm=False)
+        assert [[o["token_ids"] for o in samples] for samples in outputs] == [
+            [e, e] for e in expected]
 
 
 @pytest.fixture(scope="module")
