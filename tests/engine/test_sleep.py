@@ -1,11 +1,10 @@
-"""LLM.sleep / wake_up: the KV pool (and at level 2 the weights) freed and restored; the API's
-errors on the CPU; on the GPU the memory freed and the CUDA graphs working after waking."""
+"""LLM.sleep / wake_up on the CPU: the KV pool (and at level 2 the weights) freed and restored, and
+the API's errors. The GPU's memory figures and graphs: tests/runner/test_rollout_cuda.py."""
 
 import pytest
-import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.conftest import _hf_model, needs_cuda
+from tests.conftest import _hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -66,37 +65,3 @@ def test_sleep_errors(tiny_model, prompts):
         llm.sleep()
     with pytest.raises(RuntimeError, match="has exited"):
         llm.wake_up()
-
-
-@needs_cuda
-def test_gpu_sleep_frees_memory_and_graphs_work_after_waking(tiny_model, prompts):
-    with LLM(tiny_model, num_kvcache_blocks=256, kvcache_block_size=16) as llm:
-        runner = llm.model_runner
-        before = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
-        kv_bytes, weights = runner.kv_cache.nbytes, weight_bytes(llm)
-        torch.cuda.synchronize()
-        awake = torch.cuda.memory_allocated()
-        llm.sleep(1)
-        assert awake - torch.cuda.memory_allocated() >= kv_bytes + weights
-        llm.wake_up()
-        assert runner.graphs is not None and runner.graphs.graphs
-        replays = count_replays(runner.graphs)
-        assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == before
-        assert replays[0] > 0  # decode ran in the graphs captured on waking
-        llm.sleep(2)
-        assert awake - torch.cuda.memory_allocated() >= kv_bytes + weights
-        llm.wake_up()
-        llm.update_weights({k: v.cuda() for k, v in _hf_model(tiny_model).state_dict().items()})
-        assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == before
-
-
-def count_replays(graphs) -> list[int]:
-    count = [0]
-    inner = graphs.replay
-
-    def counting(*args):
-        count[0] += 1
-        return inner(*args)
-
-    graphs.replay = counting
-    return count
