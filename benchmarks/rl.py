@@ -45,18 +45,26 @@ def state_dict(path: str, device: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def wake_up(llm: LLM) -> tuple[float, str]:
+    """wake_up's seconds, and whether the CUDA graphs were kept or captured again."""
+    graphs = llm.model_runner.graphs
+    seconds = timed(llm.wake_up)
+    return seconds, ("graphs kept" if llm.model_runner.graphs is graphs
+                     else "graphs captured again")
+
+
 def bench_sleep(llm: LLM, cpu_weights: dict[str, torch.Tensor]):
     print(f"  awake          {gpu_memory()}")
     seconds = timed(lambda: llm.sleep(1))
     print(f"  sleep(1)       {gpu_memory()}   sleep {seconds:.3f} s")
-    seconds = timed(llm.wake_up)
-    print(f"  woken          {gpu_memory()}   wake_up {seconds:.3f} s (graphs captured again)")
+    seconds, graphs = wake_up(llm)
+    print(f"  woken          {gpu_memory()}   wake_up {seconds:.3f} s ({graphs})")
     sleep_seconds = timed(lambda: llm.sleep(2))
     print(f"  sleep(2)       {gpu_memory()}   sleep {sleep_seconds:.3f} s")
-    wake_seconds = timed(llm.wake_up)
+    wake_seconds, graphs = wake_up(llm)
     load_seconds = timed(lambda: llm.update_weights(cpu_weights))
-    print(f"  woken, loaded  {gpu_memory()}   wake_up {wake_seconds:.3f} s, update_weights "
-          f"from CPU {load_seconds:.3f} s")
+    print(f"  woken, loaded  {gpu_memory()}   wake_up {wake_seconds:.3f} s ({graphs}), "
+          f"update_weights from CPU {load_seconds:.3f} s")
 
 
 def bench_update(llm: LLM, path: str, cpu_weights: dict[str, torch.Tensor]):

@@ -98,9 +98,9 @@ class LLM(LLMEngine):
             self.scheduler.block_manager.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
-        """Free the KV cache (its prefix cache too) and the CUDA graphs; level 1 keeps the weights
-        in pinned host memory, level 2 discards them (load them after wake_up() with
-        update_weights()). Refused while requests are unfinished."""
+        """Free the KV cache (its prefix cache too); level 1 keeps the weights in pinned host
+        memory, level 2 discards them (load them after wake_up() with update_weights()). Refused
+        while requests are unfinished."""
         if level not in (1, 2) or isinstance(level, bool):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         with self._lock:
@@ -113,7 +113,8 @@ class LLM(LLMEngine):
             self.sleep_level = level
 
     def wake_up(self) -> None:
-        """Restore what sleep() freed and capture the CUDA graphs again (a no-op when awake)."""
+        """Restore what sleep() freed; the CUDA graphs are captured again unless every tensor came
+        back at its old address (a no-op when awake)."""
         with self._lock:
             self._check_alive(awake=False)
             if not self.sleep_level:

@@ -168,28 +168,26 @@ class ModelRunner:
             yield name, tensor
 
     def sleep(self, level: int):
-        """Free the KV pool and the CUDA graphs; the weights go to pinned host memory (level 1; on
-        the CPU, where they already are, they stay) or are discarded (level 2)."""
-        for graphs in (self.graphs, self.sampler_graphs):
-            if graphs is not None:
-                graphs.release()
-        self.graphs = None
-        self.offloaded = [Offloaded([t for t in (self.kv_cache, self.kv_scales) if t is not None],
-                                    keep=False)]
-        if level == 2 or self.device.type == "cuda":
-            weights = list(self.model.parameters())
-            self.offloaded.append(Offloaded(weights, keep=level == 1))
+        """Free the KV pool; the weights go to pinned host memory (level 1; on the CPU, where they
+        already are, they stay) or are discarded (level 2). The CUDA graphs are kept."""
+        weights = list(self.model.parameters()) if level == 2 or self.device.type == "cuda" else []
+        pools = [t for t in (self.kv_cache, self.kv_scales) if t is not None]
+        # Freed weights first, so that waking allocates in start-up's order: weights, then KV.
+        self.offloaded = [Offloaded(weights, keep=level == 1)] if weights else []
+        self.offloaded.append(Offloaded(pools, keep=False))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
     def wake_up(self):
-        """Restore what sleep freed (a zeroed KV pool; level 2: uninitialized weights, zeroed) and
-        capture the CUDA graphs again: the memory came back at other addresses."""
-        for offloaded in self.offloaded:
-            offloaded.restore()
+        """Restore what sleep freed (the KV pool zeroed; after level 2, zeroed weights). The graphs
+        read the old addresses: unless every tensor came back at its own, capture them again."""
+        same_addresses = [offloaded.restore() for offloaded in self.offloaded]
         self.offloaded = []
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        if self.graphs is not None and not all(same_addresses):
+            self.graphs.release()
+            self.graphs = None
+            torch.cuda.empty_cache()
             self._capture_graphs()
 
     def _allocate_kv_cache(self) -> int:

@@ -1,8 +1,9 @@
 """Sleep mode: tensors' device memory freed and restored under the same tensor objects.
 
 Each storage is resized to zero bytes and back (`untyped_storage().resize_`), so every parameter,
-every view of the KV pool and every module holding one stays valid; the bytes come back at a new
-address, which is why the runner captures its CUDA graphs again on waking."""
+every view of the KV pool and every module holding one stays valid. The caching allocator may give
+the bytes back at another address, which a CUDA graph would not follow: `restore` says whether
+every storage came back at its old one."""
 
 import torch
 
@@ -26,6 +27,7 @@ class Offloaded:
 
     def __init__(self, tensors: list[torch.Tensor], keep: bool):
         self.storages = _storages(tensors)
+        self.addresses = [storage.data_ptr() for storage in self.storages]
         self.sizes = [storage.nbytes() for storage in self.storages]
         self.host: list[torch.Tensor] | None = None
         if keep:
@@ -35,11 +37,8 @@ class Offloaded:
         for storage in self.storages:
             storage.resize_(0)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes)
-
-    def restore(self):
+    def restore(self) -> bool:
+        """Reallocate and refill the storages; returns whether each is at its old address."""
         for i, (storage, size) in enumerate(zip(self.storages, self.sizes)):
             storage.resize_(size)
             if self.host is None:
@@ -47,3 +46,4 @@ class Offloaded:
             else:
                 _bytes(storage).copy_(self.host[i])
                 self.host[i] = None  # free the host copy as we go
+        return [s.data_ptr() for s in self.storages] == self.addresses
