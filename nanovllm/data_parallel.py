@@ -160,7 +160,8 @@ class DataParallelLLM:
         for i, (tokens, sp) in enumerate(zip(token_lists, sampling_params)):
             check_request(i, tokens, sp, self.vocab_size)
             try:
-                check_fits(len(tokens), sp.max_tokens, max_model_len, block_size, num_blocks)
+                check_fits(len(tokens), sp.max_tokens, max_model_len, block_size, num_blocks,
+                           sp.n)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return token_lists, sampling_params

@@ -1,8 +1,12 @@
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.loader import check_weights, checkpoint_specs, checkpoint_tensors
 
 
 @dataclass(slots=True)
@@ -15,6 +19,7 @@ class StreamOutput:
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sample: int = 0  # which of the prompt's SamplingParams.n completions
 
 
 def _is_conversation(messages) -> bool:
@@ -61,7 +66,7 @@ class LLM(LLMEngine):
             options.pop(name, None)  # checked by uses_ray: one in-process engine
         super().__init__(model, **options)
 
-    def chat(self, messages, sampling_params, use_tqdm: bool = True) -> list[dict]:
+    def chat(self, messages, sampling_params, use_tqdm: bool = True) -> list:
         """Reply to one conversation (a list of {"role", "content"} dicts) or a list of them."""
         prompts = conversation_prompts(self.tokenizer, messages)
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -72,22 +77,102 @@ class LLM(LLMEngine):
 
     def _stream(self, seqs: list[Sequence]) -> Iterator[StreamOutput]:
         self._add(seqs)
-        pending = dict(enumerate(seqs))
+        pending = dict(enumerate(seqs))  # flat: the samples of a prompt follow one another
         sent = {index: (0, 0) for index in pending}  # tokens and characters already yielded
+        prompt_of = list(accumulate(seq.sample_index == 0 for seq in seqs))
         try:
             while pending:
                 with self._lock:  # another caller's steps may have advanced these requests
-                    outputs = _new_outputs(pending, sent)
+                    outputs = _new_outputs(pending, sent, prompt_of)
                     if not outputs:
                         self.step()
-                        outputs = _new_outputs(pending, sent)
+                        outputs = _new_outputs(pending, sent, prompt_of)
                 yield from outputs
         finally:
             self._abort(list(pending.values()))
 
 
-def _new_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]]
-                 ) -> list[StreamOutput]:
+    def update_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs into the weights in place, as start-up loads them (TP shards,
+        packed q/k/v and gate/up): names as the checkpoint's (a trainer's state_dict(), or a
+        dict), full tensors on any device, any subset. All are checked before any is copied.
+        Refused while requests are unfinished; the prefix cache is reset after."""
+        pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                    and isinstance(pair[1], torch.Tensor)):
+                raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got "
+                                f"{type(pair).__name__}")
+        self._load_weights([(name, tuple(t.shape)) for name, t in pairs], pairs)
+
+    def update_weights_from_path(self, path: str) -> None:
+        """update_weights with the tensors of `path`/*.safetensors, checked from the headers."""
+        self._load_weights(checkpoint_specs(path), checkpoint_tensors(path))
+
+    def _load_weights(self, specs: list[tuple[str, tuple]], weights):
+        with self._lock:
+            self._check_alive(awake=False)
+            if self.sleep_level:
+                raise RuntimeError("update_weights() while asleep: call wake_up() first")
+            self._drain("update_weights()")
+            check_weights(self.model_runner.weight_shapes, specs)
+            self._on_all_ranks("update_weights", specs, local=(weights,))
+            self.unloaded_weights -= {name for name, _ in specs}
+            self.scheduler.block_manager.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (its prefix cache too); level 1 keeps the weights in pinned host
+        memory, level 2 discards them (load them after wake_up() with update_weights()). Refused
+        while requests are unfinished."""
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        with self._lock:
+            self._check_alive(awake=False)
+            if self.sleep_level:
+                raise RuntimeError(f"already asleep (sleep(level={self.sleep_level}))")
+            self._drain("sleep()")
+            self.scheduler.block_manager.reset_prefix_cache()
+            self._on_all_ranks("sleep", level)
+            self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Restore what sleep() freed; the CUDA graphs are captured again unless every tensor came
+        back at its old address (a no-op when awake)."""
+        with self._lock:
+            self._check_alive(awake=False)
+            if not self.sleep_level:
+                return
+            self._on_all_ranks("wake_up")
+            if self.sleep_level == 2:
+                tied = getattr(self.model_runner.model, "tie_word_embeddings", False)
+                self.unloaded_weights = set(self.model_runner.weight_shapes) - (
+                    {"lm_head.weight"} if tied else set())
+            self.sleep_level = 0
+
+    def _drain(self, action: str):
+        """Finish the last step in flight; raise if requests are unfinished."""
+        self._apply_aborts()
+        if self.inflight is not None and self.scheduler.is_finished():
+            self.step()  # a step launched for requests that have all finished since
+        unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if unfinished:
+            raise RuntimeError(f"{action} refused: {unfinished} requests are unfinished; let "
+                               "them finish (or close their streams) first")
+
+    def _on_all_ranks(self, method: str, *args, local: tuple = ()):
+        """Run a runner method on every rank (rank 0 with `local` args too); on failure the ranks
+        may be out of step, so the LLM exits."""
+        try:
+            if self.channel is not None:
+                self.channel.send(method, *args)
+            getattr(self.model_runner, method)(*args, *local)
+        except BaseException:
+            self._out_of_step = True
+            self.exit()
+            raise
+
+def _new_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],
+                 prompt_of: list[int]) -> list[StreamOutput]:
     """What the pending requests produced since `sent`; drops the finished ones from `pending`."""
     outputs = []
     for index, seq in list(pending.items()):
@@ -101,6 +186,7 @@ def _new_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]]
             del pending[index]
         start = seq.num_prompt_tokens + num_tokens
         new_tokens = seq.token_ids[start:seq.num_prompt_tokens + seq.num_output_tokens]
-        outputs.append(StreamOutput(index, text[num_chars:end], new_tokens, seq.is_finished,
-                                    seq.finish_reason, seq.stop_reason))
+        outputs.append(StreamOutput(prompt_of[index] - 1, text[num_chars:end], new_tokens,
+                                    seq.is_finished, seq.finish_reason, seq.stop_reason,
+                                    seq.sample_index))
     return outputs

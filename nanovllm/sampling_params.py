@@ -10,6 +10,7 @@ MAX_LOGPROBS = 20
 
 @dataclass(slots=True)
 class SamplingParams:
+    n: int = 1  # completions of the prompt: one prefill, n samples sharing its KV blocks
     temperature: float = 1.0
     top_p: float = 1.0  # the smallest set of tokens whose probability reaches top_p; 1 = off
     top_k: int = 0  # the k most likely tokens; 0 or -1 = off
@@ -33,6 +34,7 @@ class SamplingParams:
 
     def verify(self):
         """Check every field, again after edits; `stop` and `stop_token_ids` become lists."""
+        _check_int("n", self.n, lambda v: v >= 1, ">= 1")
         _check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0 (0 = greedy)")
         _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         _check_int("top_k", self.top_k, lambda v: v >= -1, "0 or -1 (off) or >= 1")

@@ -68,9 +68,30 @@ class BlockManager:
         return hits
 
     def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
+        """Room for `seq`'s blocks and for the copied last blocks of its pending forks."""
         # A hit on a free block (ref count 0) is revived out of the free list: it costs one.
         hits_in_use = sum(1 for b in cached if self.blocks[b].ref_count > 0)
-        return seq.num_blocks - hits_in_use <= self.num_free_blocks
+        return seq.num_blocks - hits_in_use + self.fork_cost(seq) <= self.num_free_blocks
+
+    def fork_cost(self, seq: Sequence) -> int:
+        """Free blocks that forking `seq`'s pending samples takes: a copy of a partial last block
+        each (a full one is shared)."""
+        return len(seq.forks) if seq.num_tokens % self.block_size else 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """`child` shares `parent`'s blocks (ref counts + 1), all computed by the step scheduled
+        now, but a partly filled last block, which the child is given a copy of (copy-on-write:
+        the runner copies its KV after that step's forward). Returns whether it was copied."""
+        assert not child.block_table and parent.num_tokens == child.num_tokens
+        copied = parent.num_tokens % self.block_size != 0
+        shared = parent.block_table[:-1] if copied else parent.block_table
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(shared)
+        if copied:
+            child.block_table.append(self._take_free_block())
+        child.num_cached_tokens = child.num_tokens
+        return copied
 
     def allocate(self, seq: Sequence, cached: list[int]):
         """Give `seq` blocks for all its tokens, reusing the `cached` prefix blocks."""

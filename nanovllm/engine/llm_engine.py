@@ -19,6 +19,7 @@ from nanovllm.engine.requests import (
     as_batch,
     check_request,
     eos_token_ids,
+    group_samples,
     load_tokenizer,
     request_output,
 )
@@ -87,6 +88,9 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._stepping = self._out_of_step = False
         self._aborted: list[Sequence] = []  # closed streams' requests, finished at the next chance
+        self.num_prefilled_tokens = 0  # tokens computed by prefill steps, since start-up
+        self.sleep_level = 0  # LLM.sleep's level while asleep
+        self.unloaded_weights: set[str] = set()  # discarded by sleep(level=2), not reloaded yet
         self._excepthook = sys.excepthook  # init_process_group wraps it
         atexit.register(self.exit)
         self._exited = False
@@ -181,9 +185,17 @@ class LLMEngine:
     def __exit__(self, *exc):
         self.exit()
 
-    def _check_alive(self):
+    def _check_alive(self, awake: bool = True):
         if self._exited:
             raise RuntimeError("this LLM has exited; create a new one")
+        if awake and self.sleep_level:
+            raise RuntimeError(f"this LLM is asleep (sleep(level={self.sleep_level})): call "
+                               "wake_up() first")
+        if awake and self.unloaded_weights:
+            raise RuntimeError(
+                f"{len(self.unloaded_weights)} weights discarded by sleep(level=2) are not loaded "
+                f"again (e.g. {min(self.unloaded_weights)!r}): pass them to update_weights() or "
+                "update_weights_from_path() first")
 
     def make_sequences(self, prompts, sampling_params, detokenize: bool = False) -> list[Sequence]:
         """Validate a whole batch, then make its sequences; raises before anything is queued."""
@@ -197,11 +209,12 @@ class LLMEngine:
         for i, (tokens, sp) in enumerate(zip(token_lists, sampling_params)):
             check_request(i, tokens, sp, self.config.hf_config.vocab_size)
             try:
-                self.scheduler.check_fits(len(tokens), sp.max_tokens)
+                self.scheduler.check_fits(len(tokens), sp.max_tokens, sp.n)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        seqs = [Sequence(tokens, sp, self.config.kvcache_block_size, self.eos_token_ids)
-                for tokens, sp in zip(token_lists, sampling_params)]
+        seqs = [sample for tokens, sp in zip(token_lists, sampling_params)
+                for sample in Sequence(tokens, sp, self.config.kvcache_block_size,
+                                       self.eos_token_ids).make_samples()]
         for seq in seqs:
             if detokenize or seq.sampling_params.stop:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids,
@@ -209,17 +222,18 @@ class LLMEngine:
         return seqs
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its sequence id."""
-        (seq,) = self.make_sequences([prompt], [sampling_params])
-        self._add([seq])
-        return seq.seq_id
+        """Queue one request; returns its (first sample's) sequence id; samples 1.. of n follow."""
+        seqs = self.make_sequences([prompt], [sampling_params])
+        self._add(seqs)
+        return seqs[0].seq_id
 
     def _add(self, seqs: list[Sequence]):
         with self._lock:
             self._check_alive()
             self._apply_aborts()
             for seq in seqs:
-                self.scheduler.add(seq)
+                if seq.sample_index == 0:  # the others wait in its forks
+                    self.scheduler.add(seq)
 
     def _abort(self, seqs: list[Sequence]):
         """Finish these requests ("abort") now, or at the next step if one is running."""
@@ -288,6 +302,7 @@ class LLMEngine:
         if done is None:
             return StepResult(finished, 0, 0)
         prefill = done.num_tokens if done.is_prefill else 0
+        self.num_prefilled_tokens += prefill
         return StepResult(finished, prefill, done.num_tokens - prefill)
 
     def _postprocess_inflight(self) -> tuple[CommittedStep, list[Sequence]]:
@@ -332,9 +347,10 @@ class LLMEngine:
         return finished
 
     def generate(self, prompts, sampling_params,
-                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[dict]:
-        """Run a batch to completion; outputs in input order. Other callers' requests (threads,
-        open streams) advance in the same steps. `use_tqdm` may be a tqdm-like factory."""
+                 use_tqdm: bool | Callable[..., tqdm] = True) -> list:
+        """Run a batch to completion; outputs in input order, per prompt a dict, or with
+        SamplingParams.n > 1 a list of its n dicts in sample order. Other callers' requests
+        (threads, open streams) advance in the same steps. `use_tqdm` may be a tqdm-like factory."""
         seqs = self.make_sequences(prompts, sampling_params)
         self._add(seqs)
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
@@ -348,7 +364,8 @@ class LLMEngine:
                 with self._lock:
                     unfinished = [seq for seq in unfinished if not seq.is_finished]
                     if not unfinished:
-                        outputs = [request_output(seq, self.tokenizer) for seq in seqs]
+                        outputs = group_samples(seqs, [request_output(seq, self.tokenizer)
+                                                       for seq in seqs])
                         break
                     result = self.step()
                 num_prefill += result.num_prefill_tokens

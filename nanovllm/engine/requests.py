@@ -134,3 +134,16 @@ def request_output(seq: Sequence, tokenizer) -> dict:
         output["logprobs"] = seq.logprobs
         output["cumulative_logprob"] = seq.cumulative_logprob
     return output
+
+
+def group_samples(seqs: list[Sequence], outputs: list[dict]) -> list:
+    """Per prompt its output, or with n > 1 the list of its n samples' outputs in order."""
+    grouped = []
+    for seq, output in zip(seqs, outputs, strict=True):
+        if seq.sampling_params.n == 1:
+            grouped.append(output)
+        elif seq.sample_index == 0:
+            grouped.append([output])
+        else:
+            grouped[-1].append(output)
+    return grouped

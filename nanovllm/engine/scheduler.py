@@ -20,8 +20,9 @@ class CommittedStep:
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int,
-               num_blocks: int):
-    """Raise ValueError if a request of this size could never be scheduled in such a pool."""
+               num_blocks: int, n: int = 1):
+    """Raise ValueError if a request of this size (n samples) could never be scheduled in such a
+    pool."""
     total = num_prompt_tokens + max_tokens
     if total > max_model_len:
         raise ValueError(f"prompt length {num_prompt_tokens} + max_tokens {max_tokens} = "
@@ -32,6 +33,13 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, bloc
         raise ValueError(f"request needs {blocks} KV blocks of {block_size} tokens (prompt "
                          f"{num_prompt_tokens} + max_tokens {max_tokens}) but the pool has "
                          f"only {num_blocks}")
+    # Forking copies a partial last prompt block for each sample but the first.
+    prompt_blocks = (num_prompt_tokens + block_size - 1) // block_size
+    copies = n - 1 if num_prompt_tokens % block_size else 0
+    if prompt_blocks + copies > num_blocks:
+        raise ValueError(f"n={n} samples of a {num_prompt_tokens}-token prompt need "
+                         f"{prompt_blocks + copies} KV blocks to fork but the pool has only "
+                         f"{num_blocks}")
 
 
 class Scheduler:
@@ -48,10 +56,13 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int):
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1):
         """Raise ValueError if a request of this size could never be scheduled."""
+        if n > self.max_num_seqs:
+            raise ValueError(f"n={n} samples exceed max_num_seqs={self.max_num_seqs}")
         bm = self.block_manager
-        check_fits(num_prompt_tokens, max_tokens, self.max_model_len, bm.block_size, bm.num_blocks)
+        check_fits(num_prompt_tokens, max_tokens, self.max_model_len, bm.block_size, bm.num_blocks,
+                   n)
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -66,8 +77,10 @@ class Scheduler:
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:  # a seat per sample
+                break
             if not seq.block_table:
                 cached = bm.cached_prefix(seq)
                 uncached = seq.num_tokens - len(cached) * bm.block_size
@@ -86,7 +99,19 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            scheduled += self._fork(seq)
         return scheduled
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Start the pending samples of `parent`, whose prompt this step completes: each joins the
+        step right after it with no token to compute, and samples from its prompt's last row."""
+        forks, parent.forks = parent.forks, []
+        for child in forks:
+            child.parent = None
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        return forks
 
     def _schedule_decode(self) -> list[Sequence]:
         # A chunked prefill always runs next, so preempted sequences may go to waiting's head.
@@ -156,10 +181,17 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
-        """End `seq`, running or waiting: free its blocks and drop it from its queue."""
+        """End `seq`, running, waiting or not yet forked: free its blocks and drop it from its
+        queue; the samples still waiting to fork from it end with it."""
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.parent is not None:  # a sample not forked yet: it holds nothing
+            seq.parent.forks.remove(seq)
+            seq.parent = None
+            return
         seq.drop_inflight()
         self.block_manager.deallocate(seq)
         queue.remove(seq)
+        for child in list(seq.forks):
+            self.finish(child, reason, stop_reason)

@@ -2,6 +2,7 @@
 
 from collections.abc import Iterable
 from copy import copy
+from dataclasses import replace
 from enum import Enum, auto
 from itertools import count
 
@@ -49,6 +50,22 @@ class Sequence:
         self.detokenizer = None
         # Where token num_cached_tokens is in token_ids: workers receive only the step's tokens.
         self._first_token_index = 0
+        # SamplingParams.n: sample 0 is the parent; samples 1.. wait in its `forks`, in no queue,
+        # until the step that completes its prompt forks them (Scheduler._fork).
+        self.sample_index = 0
+        self.parent: Sequence | None = None
+        self.forks: list[Sequence] = []
+
+    def make_samples(self) -> list["Sequence"]:
+        """This sequence and its n - 1 forks; with a seed, sample i draws with seed + i (vLLM)."""
+        params = self.sampling_params
+        for i in range(1, params.n):
+            seed = None if params.seed is None else (params.seed + i) % 2**64
+            child = Sequence(self.token_ids, replace(params, seed=seed), self.block_size)
+            child.min_tokens_stop_ids = self.min_tokens_stop_ids
+            child.sample_index, child.parent = i, self
+            self.forks.append(child)
+        return [self, *self.forks]
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -18,11 +18,12 @@ from nanovllm.kernels.attention.kv_cache import bytes_per_token
 from nanovllm.models import model_class
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.shm_channel import ShmChannel, WorkerEnd
+from nanovllm.runner.sleep import Offloaded
 from nanovllm.runner.step_inputs import StepInputs
 from nanovllm.sampling.graphs import SamplerGraphs
 from nanovllm.sampling.metadata import ALL_CONTROLS, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler, SamplerOutput
-from nanovllm.utils.loader import load_model
+from nanovllm.utils.loader import load_model, load_weights
 
 CPU_KV_CACHE_BYTES = 2 << 30  # KV pool budget on CPU when num_kvcache_blocks is not given
 WORKER_CHECK_SECONDS = 0.01  # how often rank 0, waiting for a step, checks that the workers live
@@ -89,7 +90,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         with default_dtype_and_device(self.dtype, self.device):
             self.model = model_class(hf)(hf, config.attention_backend)
-        load_model(self.model, config.model)
+        self.weight_shapes = load_model(self.model, config.model)  # checkpoint name -> shape
         self.sampler = Sampler()
         self.num_kv_heads = hf.num_key_value_heads // self.world_size
         self.head_dim = head_dim(hf)
@@ -97,14 +98,19 @@ class ModelRunner:
                                  decode_order=config.attention_backend == "triton")
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs = self.sampler_graphs = None
+        self.offloaded: list[Offloaded] = []  # what sleep() freed
         if is_cuda and not config.enforce_eager:
-            # With tensor parallelism the workers, which do not know the requests' sampling, run
-            # lm_head's gather eagerly every step; on one GPU the decode graphs sample too.
-            sampler = self.sampler if self.world_size == 1 else None
-            self.inputs.decode_temperatures = sampler is not None
-            self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq, sampler)
+            self._capture_graphs()
             if rank == 0:
                 self.sampler_graphs = SamplerGraphs(self.sampler, config.max_num_seqs)
+
+    def _capture_graphs(self):
+        # With tensor parallelism the workers, which do not know the requests' sampling, run
+        # lm_head's gather eagerly every step; on one GPU the decode graphs sample too.
+        sampler = self.sampler if self.world_size == 1 else None
+        self.inputs.decode_temperatures = sampler is not None
+        self.graphs = DecodeGraphs(self, self.config.max_num_seqs, self.max_blocks_per_seq,
+                                   sampler)
 
     def _init_process_group(self, port: int):
         """Rendezvous over a TCP store; rank 0 watches the workers, so a dead one is no hang."""
@@ -141,6 +147,48 @@ class ModelRunner:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         dist.destroy_process_group()
+
+    @torch.no_grad()
+    def update_weights(self, specs: list[tuple[str, tuple]], weights=None):
+        """Copy (name, tensor) pairs in place into the weights, in `specs`' (name, shape) order:
+        rank 0 holds `weights` (any device); with TP the workers receive each by a broadcast."""
+        load_weights(self.model, self._received(specs, weights), complete=False)
+
+    def _received(self, specs: list[tuple[str, tuple]], weights):
+        tensors = iter(weights) if weights is not None else None
+        for name, shape in specs:
+            if self.world_size == 1:
+                yield next(tensors)
+                continue
+            if self.rank == 0:
+                tensor = next(tensors)[1].to(self.device, self.dtype).contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
+            dist.broadcast(tensor, src=0)
+            yield name, tensor
+
+    def sleep(self, level: int):
+        """Free the KV pool; the weights go to pinned host memory (level 1; on the CPU, where they
+        already are, they stay) or are discarded (level 2). The CUDA graphs are kept."""
+        weights = list(self.model.parameters()) if level == 2 or self.device.type == "cuda" else []
+        pools = [t for t in (self.kv_cache, self.kv_scales) if t is not None]
+        # Freed weights first, so that waking allocates in start-up's order: weights, then KV.
+        self.offloaded = [Offloaded(weights, keep=level == 1)] if weights else []
+        self.offloaded.append(Offloaded(pools, keep=False))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def wake_up(self):
+        """Restore what sleep freed (the KV pool zeroed; after level 2, zeroed weights). The graphs
+        read the old addresses: unless every tensor came back at its own, capture them again."""
+        same_addresses = [offloaded.restore() for offloaded in self.offloaded]
+        self.offloaded = []
+        if self.graphs is not None and not all(same_addresses):
+            self.graphs.release()
+            self.graphs = None
+            torch.cuda.empty_cache()
+            self._capture_graphs()
 
     def _allocate_kv_cache(self) -> int:
         """Allocate [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets its views;
@@ -226,6 +274,7 @@ class ModelRunner:
         if is_prefill:
             input_ids, positions, meta, sample_rows = self.inputs.prepare_prefill(seqs)
             hidden = self.model(input_ids, positions, meta)[sample_rows]
+            self._copy_blocks(self.inputs.fork_block_copies(seqs))
             sampling_seqs = [seq for seq in seqs if seq.completes_prefill]
         else:
             graphs = self.graphs
@@ -253,6 +302,15 @@ class ModelRunner:
             dist.broadcast(tokens, src=0)
         self.inputs.keep_sampled(tokens, sampling_seqs)
         return PendingOutput(output, self.channel) if self.rank == 0 else None
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]):
+        """KV (and fp8 scales) of block src into block dst, for each (src, dst): copy-on-write."""
+        if not copies:
+            return
+        src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+        for pool in (self.kv_cache, self.kv_scales):  # [2, layers, blocks, ...]
+            if pool is not None:
+                pool[:, :, dst] = pool[:, :, src]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if self.sampler_graphs is not None and self.sampler_graphs.applies(seqs):

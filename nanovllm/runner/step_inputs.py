@@ -42,11 +42,17 @@ class StepInputs:
 
     def prepare_prefill(self, seqs: list[Sequence]):
         """The chunks' tokens flattened: (input_ids, positions, varlen meta, sample_rows), the rows
-        of the sequences that complete their prefill. (Chunks hold no placeholder.)"""
+        of the sequences that complete their prefill. (Chunks hold no placeholder.) A sequence
+        with no token to compute is a fork of the last one before it that has some (Scheduler):
+        it samples from that one's last row."""
         self.seed = noise_seed()
         input_ids, positions, slots = [], [], []
         cu_q, cu_k, sample_rows = [0], [0], []
+        computed = [seq for seq in seqs if seq.num_scheduled_tokens]
         for seq in seqs:
+            if not seq.num_scheduled_tokens:
+                sample_rows.append(cu_q[-1] - 1)
+                continue
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
             pos = np.arange(start, end)
             table = np.asarray(seq.block_table, dtype=np.int64)
@@ -61,7 +67,7 @@ class StepInputs:
         device = to_device_packed({
             "input_ids": np.concatenate(input_ids), "positions": np.concatenate(positions),
             "slot_mapping": np.concatenate(slots), "context_lens": np.diff(cu_seqlens_k),
-            "block_tables": self._block_tables(seqs),
+            "block_tables": self._block_tables(computed),
             "cu_seqlens_q": np.asarray(cu_q, dtype=np.int32), "cu_seqlens_k": cu_seqlens_k,
             "sample_rows": np.asarray(sample_rows, dtype=np.int64),
         }, self.to_device)
@@ -74,13 +80,24 @@ class StepInputs:
             cu_seqlens_k=device["cu_seqlens_k"],
             max_seqlen_q=int(np.diff(cu_q).max()),
             max_seqlen_k=int(np.diff(cu_k).max()),
-            prefix_cached=any(seq.num_cached_tokens > 0 for seq in seqs),
+            prefix_cached=any(seq.num_cached_tokens > 0 for seq in computed),
         )
         workspace = self.dequant_workspace
         if workspace is not None and meta.prefix_cached and dequantizing_pays(cu_q, cu_k):
             meta.dequant_workspace = workspace
             meta.dequant_groups = workspace_groups(cu_q, cu_k, workspace.shape[1])
         return device["input_ids"], device["positions"], meta, device["sample_rows"]
+
+    @staticmethod
+    def fork_block_copies(seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """(source, destination) block ids: the last blocks that forks hold copies of."""
+        copies, source = [], None
+        for seq in seqs:
+            if seq.num_scheduled_tokens:
+                source = seq
+            elif seq.block_table[-1] != source.block_table[-1]:
+                copies.append((source.block_table[-1], seq.block_table[-1]))
+        return copies
 
     def decode_rows(self, seqs: list[Sequence], rows: int,
                     table_width: int | None = None) -> dict[str, np.ndarray]:

@@ -2,39 +2,104 @@
 
 import glob
 import os
+from collections.abc import Iterable
 
+import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+EMBEDDING = "model.embed_tokens.weight"
 
-def load_model(model: nn.Module, path: str):
-    """Load `path`/*.safetensors through each parameter's `weight_loader`; packed projections are
-    routed by `model.packed_modules_mapping`; with tied embeddings `lm_head.weight` is skipped."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+
+Weights = Iterable[tuple[str, torch.Tensor]]  # (checkpoint / HF name, full unsharded tensor)
+
+
+def load_model(model: nn.Module, path: str) -> dict[str, tuple[int, ...]]:
+    """Load every tensor of `path`/*.safetensors (all required); returns each name's shape."""
+    files = _files(path)
+    reading = [""]
+
+    def tensors() -> Weights:
+        for file in files:
+            reading[0] = file
+            with _open(file) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    try:
+        return load_weights(model, tensors())
+    except ValueError as e:
+        raise ValueError(f"{e} (in {reading[0]!r})") from None
+
+
+def load_weights(model: nn.Module, weights: Weights,
+                 complete: bool = True) -> dict[str, tuple[int, ...]]:
+    """Copy each (name, tensor) in place through its parameter's `weight_loader` (TP sharding);
+    packed projections are routed by `model.packed_modules_mapping`; with tied embeddings
+    `lm_head.weight` is skipped. complete: every parameter must be loaded, each exactly once.
+    Returns each loaded name's shape (with tied embeddings, lm_head.weight's too)."""
     packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=True))
-    loaded = set()
-    for file in files:
-        with _open(file) as f:
-            for ckpt_name in f.keys():
-                if tied and ckpt_name == "lm_head.weight":
-                    continue
-                name, shard = _route(ckpt_name, packed)
-                if name not in params:
-                    raise ValueError(f"unexpected tensor {ckpt_name!r} in {file!r}: "
-                                     "the model has no such parameter")
-                if (name, shard) in loaded:
-                    raise ValueError(f"tensor {ckpt_name!r} appears more than once in {path!r}")
-                tensor = f.get_tensor(ckpt_name)
-                _load_tensor(params[name], tensor, shard, f"{ckpt_name!r} from {file!r}")
-                loaded.add((name, shard))
+    loaded, shapes = set(), {}
+    for ckpt_name, tensor in weights:
+        shapes[ckpt_name] = tuple(tensor.shape)
+        if tied and ckpt_name == "lm_head.weight":
+            continue
+        name, shard = _route(ckpt_name, packed)
+        if name not in params:
+            raise ValueError(f"unexpected tensor {ckpt_name!r}: the model has no such parameter")
+        if (name, shard) in loaded:
+            raise ValueError(f"tensor {ckpt_name!r} appears more than once")
+        _load_tensor(params[name], tensor, shard, repr(ckpt_name))
+        loaded.add((name, shard))
     missing = sorted(f"{n}" + (f" (shard {s!r})" if s is not None else "")
                      for n, s in _expected_keys(params, packed) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint {path!r} is missing tensors for: {', '.join(missing)}")
+    if complete and missing:
+        raise ValueError(f"missing tensors for: {', '.join(missing)}")
+    if tied and EMBEDDING in shapes:
+        shapes.setdefault("lm_head.weight", shapes[EMBEDDING])
+    return shapes
+
+
+def checkpoint_specs(path: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each tensor of `path`/*.safetensors, from the headers alone."""
+    specs = []
+    for file in _files(path):
+        with _open(file) as f:
+            specs += [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+    return specs
+
+
+def checkpoint_tensors(path: str) -> Weights:
+    """(name, tensor) of each tensor of `path`/*.safetensors, read one at a time."""
+    for file in _files(path):
+        with _open(file) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def check_weights(shapes: dict[str, tuple[int, ...]], specs: list[tuple[str, tuple]]):
+    """Raise ValueError unless each (name, shape) names a distinct tensor of the checkpoint the
+    model was loaded from, with its shape (`shapes`, as load_weights returned them)."""
+    seen = set()
+    for name, shape in specs:
+        if not isinstance(name, str) or name not in shapes:
+            raise ValueError(f"unknown weight {name!r}: the checkpoint has no such tensor "
+                             f"(names as in its state_dict(), e.g. {next(iter(shapes))!r})")
+        if name in seen:
+            raise ValueError(f"weight {name!r} is given more than once")
+        seen.add(name)
+        if tuple(shape) != shapes[name]:
+            raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the checkpoint's has "
+                             f"{shapes[name]}")
+
+
+def _files(path: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    return files
 
 
 def _open(file: str):

@@ -1,0 +1,67 @@
+"""LLM.sleep / wake_up on the CPU: the KV pool (and at level 2 the weights) freed and restored, and
+the API's errors. The GPU's memory figures and graphs: tests/runner/test_rollout_cuda.py."""
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from tests.conftest import _hf_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o["token_ids"] for o in outputs]
+
+
+def weight_bytes(llm) -> int:
+    return sum(p.untyped_storage().nbytes() for p in llm.model_runner.model.parameters())
+
+
+@pytest.mark.cpu_suite
+def test_sleep_and_wake_on_cpu(tiny_model, prompts):
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
+        before = tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False))
+        weights = weight_bytes(llm)
+        llm.sleep(1)
+        assert llm.model_runner.kv_cache.untyped_storage().nbytes() == 0
+        assert weight_bytes(llm) == weights  # on the CPU, already in host memory
+        with pytest.raises(RuntimeError, match=r"asleep \(sleep\(level=1\)\): call wake_up"):
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        with pytest.raises(RuntimeError, match=r"already asleep"):
+            llm.sleep(2)
+        with pytest.raises(RuntimeError, match=r"update_weights\(\) while asleep"):
+            llm.update_weights([])
+        llm.wake_up()
+        llm.wake_up()  # awake: nothing to do
+        # The KV pool came back zeroed: a prefix cached before sleeping must not be hit.
+        assert tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False)) == before
+        llm.sleep(2)
+        assert weight_bytes(llm) == 0
+        llm.wake_up()
+        with pytest.raises(RuntimeError, match=r"weights discarded by sleep\(level=2\) are not "
+                                               "loaded again"):
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        state_dict = _hf_model(tiny_model).state_dict()
+        names = sorted(state_dict)
+        assert names[0] == "lm_head.weight"  # tied: not one of the weights to load
+        llm.update_weights((n, state_dict[n]) for n in names[:3])
+        with pytest.raises(RuntimeError, match=f"{len(names) - 3} weights discarded"):
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        llm.update_weights((n, state_dict[n]) for n in names[3:])
+        assert tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False)) == before
+
+
+@pytest.mark.cpu_suite
+def test_sleep_errors(tiny_model, prompts):
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
+        for level in (0, 3, True, "1"):
+            with pytest.raises(ValueError, match=f"level must be 1 or 2, got {level!r}"):
+                llm.sleep(level)
+        stream = llm.stream(prompts[:3], SamplingParams(max_tokens=20, ignore_eos=True))
+        next(stream)
+        with pytest.raises(RuntimeError, match=r"sleep\(\) refused: 3 requests are unfinished"):
+            llm.sleep()
+        stream.close()
+        llm.sleep()
+    with pytest.raises(RuntimeError, match="has exited"):
+        llm.wake_up()
