@@ -9,11 +9,13 @@ from torch import nn
 
 def load_model(model: nn.Module, path: str):
     """Load `path`/*.safetensors through each parameter's `weight_loader`; packed projections are
-    routed by `model.packed_modules_mapping`; with tied embeddings `lm_head.weight` is skipped."""
+    routed by `model.packed_modules_mapping` (or the model's `route_weight`, e.g. per-expert
+    tensors into stacked experts); with tied embeddings `lm_head.weight` is skipped."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r}")
     packed = getattr(model, "packed_modules_mapping", {})
+    route = getattr(model, "route_weight", None)
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=True))
     loaded = set()
@@ -22,7 +24,7 @@ def load_model(model: nn.Module, path: str):
             for ckpt_name in f.keys():
                 if tied and ckpt_name == "lm_head.weight":
                     continue
-                name, shard = _route(ckpt_name, packed)
+                name, shard = (route and route(ckpt_name)) or _route(ckpt_name, packed)
                 if name not in params:
                     raise ValueError(f"unexpected tensor {ckpt_name!r} in {file!r}: "
                                      "the model has no such parameter")
@@ -59,9 +61,10 @@ def _expected_keys(params: dict, packed: dict) -> set[tuple[str, object]]:
     for dst, shard in packed.values():
         shards_of.setdefault(dst, []).append(shard)
     expected = set()
-    for name in params:
+    for name, param in params.items():
         module = name.split(".")[-2] if "." in name else ""
-        expected.update((name, shard) for shard in shards_of.get(module, [None]))
+        shards = getattr(param, "shard_ids", None) or shards_of.get(module, [None])
+        expected.update((name, shard) for shard in shards)
     return expected
 
 

@@ -1,0 +1,202 @@
+"""Fused mixture-of-experts: the (token, expert) assignments grouped by expert, then two grouped
+GEMMs over the groups. Everything stays on the device in buffers sized from T alone, so the decode
+graphs capture it: no host sync, no data-dependent shape.
+
+  align       assignment i = t * top_k + j (token t's j-th expert) sorted by expert into
+              sorted_ids [max_padded]; each expert's run padded to a multiple of BLOCK_M with the
+              sentinel T * top_k; expert_ids [max_padded / BLOCK_M] names each row block's expert
+              (-1 past the used blocks); num_padded [1] is the used length
+  gate/up     act[i] = silu(x[t] @ gate[e].T) * (x[t] @ up[e].T)                 [T * top_k, I]
+  down        y[i] = weight[i] * (act[i] @ down[e].T)                            [T * top_k, H]
+  sum         out[t] = sum_j y[t * top_k + j]                                    [T, H]
+
+The sum is a second pass (a torch sum over top_k), not atomics: deterministic, and bf16 atomics
+are slow. Tiles: few rows per expert (decode) reads each expert's weights once with 16-row blocks;
+many rows (prefill) takes 64-row blocks with grouped program order so that an expert's weight
+tiles stay in L2 across its row blocks (docs/kernels.md)."""
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.gemm.skinny import silu_and_mul_as_torch
+
+ALIGN_CHUNK = 1024
+DECODE_ROWS_PER_EXPERT = 4  # mean assignments per expert up to which the decode tiles apply
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoeTiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+DECODE_TILES = MoeTiles(16, 64, 128, group_m=1, num_warps=4, num_stages=3)
+PREFILL_TILES = MoeTiles(64, 128, 64, group_m=8, num_warps=8, num_stages=3)
+
+
+def moe_tiles(num_assignments: int, num_experts: int) -> MoeTiles:
+    """Decode tiles while experts average few rows (weight-bandwidth bound), else prefill tiles."""
+    if num_assignments <= DECODE_ROWS_PER_EXPERT * num_experts:
+        return DECODE_TILES
+    return PREFILL_TILES
+
+
+def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """An upper bound of the aligned length: each expert that has rows pads fewer than block_m."""
+    padded = num_assignments + min(num_experts, num_assignments) * (block_m - 1)
+    return triton.cdiv(padded, block_m) * block_m
+
+
+@triton.jit(do_not_specialize=["num_assignments", "expert_offset"])
+def _align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr,
+                  num_assignments, num_experts, expert_offset, max_padded,
+                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: count the assignments per local expert, lay out the padded runs, write
+    expert_ids and the sentinel, and leave each run's start in cursor for the scatter."""
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, num_assignments, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < num_assignments
+        local = tl.load(topk_ids_ptr + offs, mask=valid, other=0).to(tl.int32) - expert_offset
+        mine = valid & (local >= 0) & (local < num_experts)
+        counts += tl.histogram(tl.where(mine, local, 0), BINS, mask=mine)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    tl.store(cursor_ptr + bins, ends - padded, mask=bins < num_experts)
+    for start in range(0, max_padded // BLOCK_M, CHUNK // BLOCK_M):
+        blocks = start + tl.arange(0, CHUNK // BLOCK_M)
+        first_row = blocks * BLOCK_M
+        # A block's expert: the number of runs that end at or before its first row.
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(first_row < total, expert, -1)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < max_padded // BLOCK_M)
+    for start in range(0, max_padded, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.full([CHUNK], 0, tl.int32) + num_assignments,
+                 mask=offs < max_padded)
+
+
+@triton.jit(do_not_specialize=["num_assignments", "expert_offset"])
+def _scatter_kernel(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_assignments, num_experts,
+                    expert_offset, CHUNK: tl.constexpr):
+    """Grid (cdiv(num_assignments, CHUNK),): each local assignment takes the next row of its run."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < num_assignments
+    local = tl.load(topk_ids_ptr + offs, mask=valid, other=0).to(tl.int32) - expert_offset
+    mine = valid & (local >= 0) & (local < num_experts)
+    row = tl.atomic_add(cursor_ptr + local, 1, mask=mine)
+    tl.store(sorted_ids_ptr + row, offs, mask=mine)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              expert_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] (global ids; local experts are [expert_offset, + num_experts)) ->
+    (sorted_ids [max_padded] int32, expert_ids [max_padded / block_m] int32, num_padded [1])."""
+    ids = topk_ids.reshape(-1)
+    n = ids.numel()
+    max_padded = max_padded_rows(n, num_experts, block_m)
+    device = ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](ids, sorted_ids, expert_ids, num_padded, cursor, n, num_experts,
+                        expert_offset, max_padded, BLOCK_M=block_m, BINS=bins, CHUNK=ALIGN_CHUNK,
+                        num_warps=4)
+    _scatter_kernel[(triton.cdiv(n, ALIGN_CHUNK),)](ids, sorted_ids, cursor, n, num_experts,
+                                                   expert_offset, CHUNK=ALIGN_CHUNK, num_warps=4)
+    return sorted_ids, expert_ids, num_padded
+
+
+@triton.jit(do_not_specialize=["num_assignments"])
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                         weights_ptr, num_assignments, N, K, stride_am, stride_we, stride_wn,
+                         stride_om, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+                         WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grid (max_padded / BLOCK_M * cdiv(N, BLOCK_N),). Row block b of expert e = expert_ids[b]:
+    for each assignment i in it, a row a[i // A_ROW_DIV] times w[e] [N (x2 if GATED), K]^T into
+    out[i, :N]. GATED: silu(a @ w[e, :N].T) * (a @ w[e, N:].T). WEIGHTED: times weights[i]."""
+    pid = tl.program_id(0)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    blocks_m = tl.num_programs(0) // blocks_n
+    # Grouped order: GROUP_M row blocks walk the columns together, sharing weight tiles in L2.
+    group = pid // (GROUP_M * blocks_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * blocks_n)) % group_size
+    pid_n = (pid % (GROUP_M * blocks_n)) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = ids < num_assignments
+    a_rows = (ids // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k
+        a = tl.load(a_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        acc = tl.dot(a, tl.load(w_ptrs + k, mask=w_mask, other=0.0), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k, mask=w_mask, other=0.0), acc_up)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        out = silu_and_mul_as_torch(acc, acc_up, dtype)
+    else:
+        if WEIGHTED:
+            weight = tl.load(weights_ptr + ids, mask=row_mask, other=0.0).to(tl.float32)
+            acc = acc.to(dtype).to(tl.float32) * weight[:, None]  # rounded as torch rounds
+        out = acc.to(dtype)
+    out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out, mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple, n: int,
+                  weights: torch.Tensor | None, a_row_div: int, gated: bool, tiles: MoeTiles):
+    sorted_ids, expert_ids, num_padded = align
+    N, K = out.shape[1], w.shape[2]
+    grid = (expert_ids.numel() * triton.cdiv(N, tiles.block_n),)
+    _grouped_gemm_kernel[grid](
+        a, w, out, sorted_ids, expert_ids, num_padded, weights if weights is not None else out, n,
+        N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
+        GATED=gated, WEIGHTED=weights is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, expert_offset: int = 0, all_local: bool = True,
+              tiles: MoeTiles | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate; up), w2 [E, H, I], topk_weights / topk_ids [T, k] ->
+    [T, H]. The experts held are [expert_offset, + E); with all_local False (expert parallel)
+    others' assignments add nothing. Contiguous x and weights."""
+    T, H = x.shape
+    top_k = topk_ids.shape[1]
+    E, inter = w13.shape[0], w2.shape[2]
+    n = T * top_k
+    tiles = tiles or moe_tiles(n, E)
+    align = moe_align(topk_ids, E, tiles.block_m, expert_offset)
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, act, align, n, None, top_k, gated=True, tiles=tiles)
+    y = (torch.empty if all_local else torch.zeros)(n, H, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _grouped_gemm(act, w2, y, align, n, weights, 1, gated=False, tiles=tiles)
+    return y if top_k == 1 else y.view(T, top_k, H).sum(dim=1)
