@@ -54,7 +54,7 @@ def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int
     return triton.cdiv(padded, block_m) * block_m
 
 
-@triton.jit(do_not_specialize=["num_assignments", "expert_offset"])
+@triton.jit(do_not_specialize=["num_assignments", "expert_offset", "max_padded"])
 def _align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr,
                   num_assignments, num_experts, expert_offset, max_padded,
                   BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):

@@ -13,7 +13,12 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
 from nanovllm.utils.loader import load_model
-from nanovllm.utils.tiny_model import write_tiny_qwen3_moe
+from nanovllm.utils.tiny_model import (
+    QWEN3_30B_A3B,
+    tiny_qwen3_arch,
+    write_benchmark_checkpoint,
+    write_tiny_qwen3_moe,
+)
 from tests.conftest import NUM_NEW_TOKENS, _hf_model, hf_greedy
 from tests.engine.test_generate import PreemptionCounter
 from tests.models.test_model import our_logits
@@ -44,6 +49,19 @@ def test_checkpoint_holds_per_expert_tensors_and_a_dense_layer(tiny_moe):
     assert "model.layers.0.mlp.gate.weight" in names
     assert "model.layers.1.mlp.gate_proj.weight" in names  # mlp_only_layers=[1]
     assert not any(".experts.gate_up_proj" in name for name in names)
+
+
+def test_benchmark_writer_stores_experts_as_the_hub_does(tmp_path):
+    arch = tiny_qwen3_arch(architectures=QWEN3_30B_A3B["architectures"], num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=16)
+    write_benchmark_checkpoint(str(tmp_path), arch, dtype="float32")
+    shapes = {name: tuple(t.shape)
+              for name, t in load_file(tmp_path / "model-00000.safetensors").items()}
+    assert shapes["model.layers.1.mlp.experts.3.gate_proj.weight"] == (16, 64)
+    assert shapes["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 16)
+    assert sum(".experts." in name for name in shapes) == 2 * 4 * 3
+    with LLM(str(tmp_path), kvcache_block_size=16, num_kvcache_blocks=8) as llm:  # strict load
+        assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 24
 
 
 @pytest.mark.parametrize("variant", ["top2", "top1-sparse-step-2"])
