@@ -3,6 +3,7 @@
 
     python -m benchmarks.moe                 # 1, 8, 64, 256 and 4096 tokens
     python -m benchmarks.moe --tokens 1 8    # chosen sizes
+    python -m benchmarks.moe --sweep         # the fused path alone under candidate tiles
 
 Per size: our fused path (align + gate/up + down + sum), our torch reference (a loop over experts),
 transformers' Qwen3MoeExperts ("grouped_mm" and "eager"), each from a CUDA graph where it captures;
@@ -10,11 +11,12 @@ then the fused path's weight bytes per call against the copy bandwidth (its floo
 bandwidth bound), and the decode step's MoE floor for 1 and 8 streams of the whole model."""
 
 import argparse
+import itertools
 
 import torch
 
 from benchmarks.gpu_timing import bench, copy_bandwidth, emit, save_report
-from nanovllm.kernels.moe import fused_moe, moe_tiles
+from nanovllm.kernels.moe import MoeTiles, fused_moe, moe_tiles
 from nanovllm.layers.fused_moe import moe_reference, select_experts
 from nanovllm.utils.tiny_model import QWEN3_30B_A3B as ARCH
 
@@ -78,6 +80,30 @@ def time_size(T: int, bandwidth: float):
          + f"; max |fused - fp32 reference| {error:.3g}")
 
 
+def sweep_size(T: int):
+    """The fused path's time under each candidate tile config; the default's and the best."""
+    x, w13, w2, weights, ids = inputs(T)
+    expected = fused_moe(x, w13, w2, weights, ids).float()
+    default = moe_tiles(T * TOP_K, E)
+    candidates = [default] + [
+        MoeTiles(bm, bn, bk, group_m=1 if bm == 16 else 8, num_warps=warps, num_stages=stages)
+        for bm, bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128),
+                                                           (4, 8), (3, 4))]
+    results = []
+    for tiles in candidates:
+        try:
+            out = fused_moe(x, w13, w2, weights, ids, tiles=tiles)
+            torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+            results.append((bench(lambda t=tiles: fused_moe(x, w13, w2, weights, ids, tiles=t),
+                                  quick=True), tiles))
+        except Exception as e:  # out of shared memory or registers
+            emit(f"  T={T} {tiles}: {type(e).__name__}"[:160])
+    ms_default = results[0][0] if results and results[0][1] == default else float("nan")
+    for ms, tiles in sorted(results, key=lambda r: r[0])[:3]:
+        emit(f"T={T:5d}: {ms:.3f} ms {tiles} ({ms_default / ms:.2f}x the default, "
+             f"{ms_default:.3f} ms)")
+
+
 def decode_floor(bandwidth: float):
     """The decode step's weight bytes for S streams: attention, router, the experts hit, head."""
     layers, heads = ARCH["num_hidden_layers"], ARCH["num_attention_heads"]
@@ -98,6 +124,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 4096])
+    parser.add_argument("--sweep", action="store_true", help="time candidate tile configs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
@@ -105,8 +132,9 @@ def main():
     emit(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
          f"Qwen3-30B-A3B MoE layer: {E} experts, top {TOP_K}, hidden {H}, intermediate {INTER}")
     for T in args.tokens:
-        time_size(T, bandwidth)
-    decode_floor(bandwidth)
+        sweep_size(T) if args.sweep else time_size(T, bandwidth)
+    if not args.sweep:
+        decode_floor(bandwidth)
     save_report("moe.txt")
 
 

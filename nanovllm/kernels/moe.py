@@ -25,6 +25,7 @@ from nanovllm.kernels.gemm.skinny import silu_and_mul_as_torch
 
 ALIGN_CHUNK = 1024
 DECODE_ROWS_PER_EXPERT = 4  # mean assignments per expert up to which the decode tiles apply
+MID_ROWS_PER_EXPERT = 32  # ... the mid tiles apply
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,13 +39,17 @@ class MoeTiles:
 
 
 DECODE_TILES = MoeTiles(16, 64, 128, group_m=1, num_warps=4, num_stages=3)
+MID_TILES = MoeTiles(32, 64, 128, group_m=4, num_warps=4, num_stages=3)
 PREFILL_TILES = MoeTiles(64, 128, 64, group_m=8, num_warps=8, num_stages=3)
 
 
 def moe_tiles(num_assignments: int, num_experts: int) -> MoeTiles:
-    """Decode tiles while experts average few rows (weight-bandwidth bound), else prefill tiles."""
+    """By the mean rows an expert gets: 16-row blocks while few (weight-bandwidth bound, most of a
+    block is padding), 32 while some, else 64-row prefill tiles (compute bound)."""
     if num_assignments <= DECODE_ROWS_PER_EXPERT * num_experts:
         return DECODE_TILES
+    if num_assignments <= MID_ROWS_PER_EXPERT * num_experts:
+        return MID_TILES
     return PREFILL_TILES
 
 

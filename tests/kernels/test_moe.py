@@ -9,11 +9,13 @@ import torch
 
 from nanovllm.kernels.moe import (
     DECODE_TILES,
+    MID_TILES,
     PREFILL_TILES,
     MoeTiles,
     fused_moe,
     max_padded_rows,
     moe_align,
+    moe_tiles,
 )
 from nanovllm.layers.fused_moe import moe_reference, select_experts
 from tests.conftest import needs_cuda
@@ -90,6 +92,18 @@ def test_fused_moe_matches_reference(T, top_k, E, H, inter):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tiles", [DECODE_TILES, MID_TILES, PREFILL_TILES])
+def test_default_tiles_match_reference(tiles):
+    x, w13, w2, weights, ids = moe_inputs(70, 4, 8, 64, 96, torch.float32, seed=1)
+    out = fused_moe(x, w13, w2, weights, ids, tiles=tiles)
+    torch.testing.assert_close(out, moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_follow_the_rows_per_expert():
+    assert [moe_tiles(T * 8, 128) for T in (1, 64, 65, 512, 513)] == [
+        DECODE_TILES, DECODE_TILES, MID_TILES, MID_TILES, PREFILL_TILES]
+
+
 def test_expert_parallel_halves_sum_to_the_whole():
     x, w13, w2, weights, ids = moe_inputs(11, 3, 8, 32, 16, torch.float32, seed=2)
     halves = [fused_moe(x, w13[4 * r:4 * r + 4].contiguous(), w2[4 * r:4 * r + 4].contiguous(),
@@ -129,7 +143,7 @@ def test_fused_moe_bf16_on_cuda(T):
     expected = moe_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
     out = fused_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
-    for tiles in (DECODE_TILES, PREFILL_TILES):
+    for tiles in (DECODE_TILES, MID_TILES, PREFILL_TILES):
         again = fused_moe(x, w13, w2, weights, ids, tiles=tiles)
         torch.testing.assert_close(again.float(), expected, rtol=2e-2, atol=2e-2)
 
