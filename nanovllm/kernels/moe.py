@@ -124,12 +124,24 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return sorted_ids, expert_ids, num_padded
 
 
+@triton.jit
+def _load_k_tile(ptrs, k, mask, offs_k, K, K_AXIS: tl.constexpr, EVEN_K: tl.constexpr):
+    """The tile at K offset k; EVEN_K: masked along the other axis only (vectorized loads)."""
+    if EVEN_K:
+        full_mask = mask
+    elif K_AXIS == 1:
+        full_mask = mask & (offs_k < K - k)[None, :]
+    else:
+        full_mask = mask & (offs_k < K - k)[:, None]
+    return tl.load(ptrs + k, mask=full_mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["num_assignments"])
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                          weights_ptr, num_assignments, N, K, stride_am, stride_we, stride_wn,
                          stride_om, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-                         WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                         WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Grid (max_padded / BLOCK_M * cdiv(N, BLOCK_N),). Row block b of expert e = expert_ids[b]:
     for each assignment i in it, a row a[i // A_ROW_DIV] times w[e] [N (x2 if GATED), K]^T into
     out[i, :N]. GATED: silu(a @ w[e, :N].T) * (a @ w[e, N:].T). WEIGHTED: times weights[i]."""
@@ -156,12 +168,11 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k
-        a = tl.load(a_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs + k, mask=w_mask, other=0.0), acc)
+        a = _load_k_tile(a_ptrs, k, row_mask[:, None], offs_k, K, 1, EVEN_K)
+        acc = tl.dot(a, _load_k_tile(w_ptrs, k, n_mask[None, :], offs_k, K, 0, EVEN_K), acc)
         if GATED:
-            acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k, mask=w_mask, other=0.0), acc_up)
+            up = _load_k_tile(w_ptrs + N * stride_wn, k, n_mask[None, :], offs_k, K, 0, EVEN_K)
+            acc_up = tl.dot(a, up, acc_up)
     dtype = out_ptr.dtype.element_ty
     if GATED:
         out = silu_and_mul_as_torch(acc, acc_up, dtype)
@@ -182,7 +193,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tu
     _grouped_gemm_kernel[grid](
         a, w, out, sorted_ids, expert_ids, num_padded, weights if weights is not None else out, n,
         N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
-        GATED=gated, WEIGHTED=weights is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        GATED=gated, WEIGHTED=weights is not None, EVEN_K=K % tiles.block_k == 0,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
 

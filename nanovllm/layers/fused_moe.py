@@ -76,7 +76,11 @@ class FusedMoE(nn.Module):
         param.shard_ids = [(e, kind) for e in range(self.num_experts) for kind in kinds]
         return param
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: tuple[int, str] | None = None):
+        if shard_id is None:  # a tensor named like the stacked parameter itself
+            raise ValueError("stacked expert tensors are not supported: the checkpoint must hold "
+                             "one tensor per expert (mlp.experts.{e}.gate_proj.weight, ...)")
         expert, kind = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range: the model has {self.num_experts}")

@@ -145,6 +145,9 @@ def test_missing_or_misshapen_expert_tensor_is_an_error(tiny_moe, tmp_path):
         ("shape", lambda t: t.update({"model.layers.2.mlp.experts.1.down_proj.weight":
                                       torch.zeros(64, 16)}),
          r"expert 1's down_proj: expected \(64, 32\), checkpoint has \(64, 16\)"),
+        ("stacked", lambda t: t.update({"model.layers.0.mlp.experts.down_proj":
+                                        torch.zeros(8, 64, 32)}),
+         r"'model\.layers\.0\.mlp\.experts\.down_proj'.*stacked expert tensors are not supp"),
     ]:
         path = str(tmp_path / name)
         shutil.copytree(tiny_moe, path)
