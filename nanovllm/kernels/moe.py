@@ -62,9 +62,11 @@ def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int
 @triton.jit(do_not_specialize=["num_assignments", "expert_offset", "max_padded"])
 def _align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr,
                   num_assignments, num_experts, expert_offset, max_padded,
-                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
+                  SCATTER: tl.constexpr):
     """One program: count the assignments per local expert, lay out the padded runs, write
-    expert_ids and the sentinel, and leave each run's start in cursor for the scatter."""
+    expert_ids and the sentinel, and leave each run's start in cursor for the scatter; SCATTER
+    (at most CHUNK assignments, decode): the scatter too, after a barrier."""
     bins = tl.arange(0, BINS)
     counts = tl.zeros([BINS], dtype=tl.int32)
     for start in range(0, num_assignments, CHUNK):
@@ -89,18 +91,30 @@ def _align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, 
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_ids_ptr + offs, tl.full([CHUNK], 0, tl.int32) + num_assignments,
                  mask=offs < max_padded)
+    if SCATTER:
+        tl.debug_barrier()  # the cursor and sentinel stores land before the scatter's
+        _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, tl.arange(0, CHUNK),
+                       num_assignments, num_experts, expert_offset)
 
 
-@triton.jit(do_not_specialize=["num_assignments", "expert_offset"])
-def _scatter_kernel(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_assignments, num_experts,
-                    expert_offset, CHUNK: tl.constexpr):
-    """Grid (cdiv(num_assignments, CHUNK),): each local assignment takes the next row of its run."""
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+@triton.jit
+def _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, offs, num_assignments, num_experts,
+                   expert_offset):
+    """Each local assignment of offs takes the next row of its run."""
     valid = offs < num_assignments
     local = tl.load(topk_ids_ptr + offs, mask=valid, other=0).to(tl.int32) - expert_offset
     mine = valid & (local >= 0) & (local < num_experts)
     row = tl.atomic_add(cursor_ptr + local, 1, mask=mine)
     tl.store(sorted_ids_ptr + row, offs, mask=mine)
+
+
+@triton.jit(do_not_specialize=["num_assignments", "expert_offset"])
+def _scatter_kernel(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_assignments, num_experts,
+                    expert_offset, CHUNK: tl.constexpr):
+    """Grid (cdiv(num_assignments, CHUNK),): the scatter of more than CHUNK assignments."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, offs, num_assignments, num_experts,
+                   expert_offset)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -116,11 +130,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
     bins = triton.next_power_of_2(num_experts)
+    one_chunk = n <= ALIGN_CHUNK
     _align_kernel[(1,)](ids, sorted_ids, expert_ids, num_padded, cursor, n, num_experts,
                         expert_offset, max_padded, BLOCK_M=block_m, BINS=bins, CHUNK=ALIGN_CHUNK,
-                        num_warps=4)
-    _scatter_kernel[(triton.cdiv(n, ALIGN_CHUNK),)](ids, sorted_ids, cursor, n, num_experts,
-                                                   expert_offset, CHUNK=ALIGN_CHUNK, num_warps=4)
+                        SCATTER=one_chunk, num_warps=4)
+    if not one_chunk:
+        _scatter_kernel[(triton.cdiv(n, ALIGN_CHUNK),)](ids, sorted_ids, cursor, n, num_experts,
+                                                       expert_offset, CHUNK=ALIGN_CHUNK,
+                                                       num_warps=4)
     return sorted_ids, expert_ids, num_padded
 
 

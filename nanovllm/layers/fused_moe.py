@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.moe import fused_moe
+from nanovllm.kernels.moe_router import topk_softmax
 from nanovllm.layers.linear import tp_rank_and_size
 
 SHARDS = ("gate", "up", "down")  # gate_proj and up_proj -> gate_up_proj, down_proj -> down_proj
@@ -21,7 +22,10 @@ SHARDS = ("gate", "up", "down")  # gate_proj and up_proj -> gate_up_proj, down_p
 def select_experts(router_logits: torch.Tensor, top_k: int,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, top_k] in the logits' dtype, expert ids [T, top_k]):
-    softmax in float32 over all experts, the top_k, renormalized to sum 1 if `renormalize`."""
+    softmax in float32 over all experts, the top_k, renormalized to sum 1 if `renormalize`. On
+    CUDA one Triton kernel (int32 ids)."""
+    if router_logits.is_cuda and router_logits.stride(1) == 1:
+        return topk_softmax(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -180,8 +180,14 @@ def moe_configurations() -> dict:
     gate_up = dict(A_ROW_DIV=8, GATED=True, WEIGHTED=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
                    BLOCK_K=128, GROUP_M=1)
     return {
-        "moe align": (moe, "_align_kernel", ids, [], dict(BLOCK_M=16, BINS=128, CHUNK=1024)),
+        "moe align": (moe, "_align_kernel", ids, [],
+                      dict(BLOCK_M=64, BINS=128, CHUNK=1024, SCATTER=False)),
+        "moe align + scatter": (moe, "_align_kernel", ids, [],
+                                dict(BLOCK_M=16, BINS=128, CHUNK=1024, SCATTER=True)),
         "moe scatter": (moe, "_scatter_kernel", ids, [], dict(CHUNK=1024)),
+        "moe router top-k": ("nanovllm.kernels.moe_router", "_topk_softmax_kernel",
+                             {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i32"},
+                             [], dict(TOP_K=8, K_PAD=8, RENORMALIZE=True, E_PAD=128, BLOCK_T=16)),
         "moe gate/up (SwiGLU)": (moe, "_grouped_gemm_kernel", gemm, [], gate_up),
         "moe down, weighted, uneven K": (
             moe, "_grouped_gemm_kernel", gemm, [],

@@ -7,6 +7,7 @@ shape, eagerly and inside a CUDA graph."""
 import pytest
 import torch
 
+from nanovllm.kernels import moe as moe_kernels
 from nanovllm.kernels.moe import (
     DECODE_TILES,
     MID_TILES,
@@ -17,6 +18,7 @@ from nanovllm.kernels.moe import (
     moe_align,
     moe_tiles,
 )
+from nanovllm.kernels.moe_router import topk_softmax
 from nanovllm.layers.fused_moe import moe_reference, select_experts
 from tests.conftest import needs_cuda
 
@@ -58,6 +60,13 @@ def check_align(ids: torch.Tensor, num_experts: int, block_m: int, offset: int =
 @pytest.mark.parametrize("T, top_k, block_m", [(1, 1, 16), (5, 2, 16), (37, 8, 16), (40, 3, 64)])
 def test_align_groups_every_assignment_by_expert(T, top_k, block_m):
     check_align(uneven_ids(T, top_k, 10), 10, block_m)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_in_chunks_with_a_separate_scatter(block_m, monkeypatch):
+    monkeypatch.setattr(moe_kernels, "ALIGN_CHUNK", 64)  # 296 assignments: 5 chunks, 5 programs
+    check_align(uneven_ids(37, 8, 12, seed=3), 12, block_m)
+    check_align(uneven_ids(37, 8, 12, seed=3), 6, block_m, offset=6)
 
 
 def test_align_keeps_only_local_experts():
@@ -129,6 +138,20 @@ def test_router_matches_transformers():
         weights, ids = select_experts(x @ router.weight.T, 3, norm)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("T, E, top_k", [(1, 8, 1), (21, 10, 2), (5, 128, 8), (40, 6, 6)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_kernel_matches_select_experts(T, E, top_k, renormalize):
+    logits = torch.randn(T, E) * 3
+    logits[0, 1] = logits[0, 4] = logits[0].max() + 1  # a tie at the top: the lower id first
+    weights, ids = topk_softmax(logits, top_k, renormalize)
+    expected_weights, expected_ids = select_experts(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == logits.dtype
+    assert torch.equal(ids.long(), expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    if top_k > 1:
+        assert ids[0, :2].tolist() == [1, 4]
 
 
 QWEN3_30B_A3B_LAYER = dict(E=128, H=2048, inter=768, top_k=8)
