@@ -7,13 +7,14 @@ graphs capture it: no host sync, no data-dependent shape.
               sentinel T * top_k; expert_ids [max_padded / BLOCK_M] names each row block's expert
               (-1 past the used blocks); num_padded [1] is the used length
   gate/up     act[i] = silu(x[t] @ gate[e].T) * (x[t] @ up[e].T)                 [T * top_k, I]
-  down        y[i] = weight[i] * (act[i] @ down[e].T)                            [T * top_k, H]
-  sum         out[t] = sum_j y[t * top_k + j]                                    [T, H]
+  down        y[j, t] = weight[i] * (act[i] @ down[e].T)                         [top_k, T, H]
+  sum         out[t] = sum_j y[j, t]                                               [T, H]
 
-The sum is a second pass (a torch sum over top_k), not atomics: deterministic, and bf16 atomics
-are slow. Tiles: few rows per expert (decode) reads each expert's weights once with 16-row blocks;
-many rows (prefill) takes 64-row blocks with grouped program order so that an expert's weight
-tiles stay in L2 across its row blocks (docs/kernels.md)."""
+The sum is a second pass, not atomics: deterministic, and bf16 atomics are slow. In decode y is
+float32 and handed on as split-K partials (SplitKSum): the next RMSNorm sums them as it loads.
+Tiles: few rows per expert (decode) reads each expert's weights once with 16-row blocks; many rows
+(prefill) takes 64-row blocks with grouped program order so that an expert's weight tiles stay in
+L2 across its row blocks (docs/kernels.md)."""
 
 import dataclasses
 
@@ -22,8 +23,10 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.gemm.skinny import silu_and_mul_as_torch
+from nanovllm.kernels.gemm.split_k import SplitKSum
 
 ALIGN_CHUNK = 1024
+DEFER_MAX_ASSIGNMENTS = 4096  # float32 partials of at most this many rows go to the next kernel
 DECODE_ROWS_PER_EXPERT = 4  # mean assignments per expert up to which the decode tiles apply
 MID_ROWS_PER_EXPERT = 32  # ... the mid tiles apply
 
@@ -153,15 +156,16 @@ def _load_k_tile(ptrs, k, mask, offs_k, K, K_AXIS: tl.constexpr, EVEN_K: tl.cons
     return tl.load(ptrs + k, mask=full_mask, other=0.0)
 
 
-@triton.jit(do_not_specialize=["num_assignments"])
+@triton.jit(do_not_specialize=["num_assignments", "num_tokens"])
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                         weights_ptr, num_assignments, N, K, stride_am, stride_we, stride_wn,
-                         stride_om, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-                         WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grid (max_padded / BLOCK_M * cdiv(N, BLOCK_N),). Row block b of expert e = expert_ids[b]:
-    for each assignment i in it, a row a[i // A_ROW_DIV] times w[e] [N (x2 if GATED), K]^T into
-    out[i, :N]. GATED: silu(a @ w[e, :N].T) * (a @ w[e, N:].T). WEIGHTED: times weights[i]."""
+                         weights_ptr, num_assignments, num_tokens, N, K, stride_am, stride_we,
+                         stride_wn, stride_om, TOP_K: tl.constexpr, GATED: tl.constexpr,
+                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grid (max_padded / BLOCK_M * cdiv(N, BLOCK_N),). Row block b of expert e = expert_ids[b];
+    for each assignment i = t * TOP_K + j in it:
+      GATED (gate/up): out[i, :N] = silu(x[t] @ w[e, :N].T) * (x[t] @ w[e, N:].T)
+      else (down):     out[j * num_tokens + t, :N] = weights[i] * (a[i] @ w[e].T), slot-major."""
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BLOCK_N)
     blocks_m = tl.num_programs(0) // blocks_n
@@ -176,7 +180,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, 
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = ids < num_assignments
-    a_rows = (ids // A_ROW_DIV).to(tl.int64)
+    a_rows = (ids // TOP_K if GATED else ids).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -190,47 +194,52 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, 
         if GATED:
             up = _load_k_tile(w_ptrs + N * stride_wn, k, n_mask[None, :], offs_k, K, 0, EVEN_K)
             acc_up = tl.dot(a, up, acc_up)
-    dtype = out_ptr.dtype.element_ty
     if GATED:
-        out = silu_and_mul_as_torch(acc, acc_up, dtype)
+        out = silu_and_mul_as_torch(acc, acc_up, out_ptr.dtype.element_ty)
+        out_rows = ids.to(tl.int64)
     else:
-        if WEIGHTED:
-            weight = tl.load(weights_ptr + ids, mask=row_mask, other=0.0).to(tl.float32)
-            acc = acc.to(dtype).to(tl.float32) * weight[:, None]  # rounded as torch rounds
-        out = acc.to(dtype)
-    out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        weight = tl.load(weights_ptr + ids, mask=row_mask, other=0.0).to(tl.float32)
+        # The expert's output rounded to the activations' dtype first, as torch rounds it.
+        out = (acc.to(a_ptr.dtype.element_ty).to(tl.float32) * weight[:, None])
+        out = out.to(out_ptr.dtype.element_ty)
+        out_rows = (ids % TOP_K).to(tl.int64) * num_tokens + ids // TOP_K
+    out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, out, mask=row_mask[:, None] & n_mask[None, :])
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple, n: int,
-                  weights: torch.Tensor | None, a_row_div: int, gated: bool, tiles: MoeTiles):
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple, T: int,
+                  top_k: int, weights: torch.Tensor, gated: bool, tiles: MoeTiles):
     sorted_ids, expert_ids, num_padded = align
     N, K = out.shape[1], w.shape[2]
     grid = (expert_ids.numel() * triton.cdiv(N, tiles.block_n),)
     _grouped_gemm_kernel[grid](
-        a, w, out, sorted_ids, expert_ids, num_padded, weights if weights is not None else out, n,
-        N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
-        GATED=gated, WEIGHTED=weights is not None, EVEN_K=K % tiles.block_k == 0,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        a, w, out, sorted_ids, expert_ids, num_padded, weights, T * top_k, T, N, K, a.stride(0),
+        w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated,
+        EVEN_K=K % tiles.block_k == 0, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_offset: int = 0, all_local: bool = True,
-              tiles: MoeTiles | None = None) -> torch.Tensor:
+              tiles: MoeTiles | None = None, defer_sum: bool = False) -> torch.Tensor | SplitKSum:
     """x [T, H], w13 [E, 2I, H] (gate; up), w2 [E, H, I], topk_weights / topk_ids [T, k] ->
     [T, H]. The experts held are [expert_offset, + E); with all_local False (expert parallel)
-    others' assignments add nothing. Contiguous x and weights."""
+    others' assignments add nothing. Contiguous x and weights. With defer_sum, up to
+    DEFER_MAX_ASSIGNMENTS: the k float32 partials as a SplitKSum, summed by the next kernel."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
     E, inter = w13.shape[0], w2.shape[2]
     n = T * top_k
     tiles = tiles or moe_tiles(n, E)
     align = moe_align(topk_ids, E, tiles.block_m, expert_offset)
-    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, act, align, n, None, top_k, gated=True, tiles=tiles)
-    y = (torch.empty if all_local else torch.zeros)(n, H, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _grouped_gemm(act, w2, y, align, n, weights, 1, gated=False, tiles=tiles)
-    return y if top_k == 1 else y.view(T, top_k, H).sum(dim=1)
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, act, align, T, top_k, weights, gated=True, tiles=tiles)
+    defer = defer_sum and n <= DEFER_MAX_ASSIGNMENTS
+    y = (torch.empty if all_local else torch.zeros)(
+        top_k, T, H, dtype=torch.float32 if defer else x.dtype, device=x.device)
+    _grouped_gemm(act, w2, y.view(n, H), align, T, top_k, weights, gated=False, tiles=tiles)
+    if defer:
+        return SplitKSum(y, x.dtype)
+    return y[0] if top_k == 1 else y.sum(dim=0)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.gemm.split_k import SplitKSum
 from nanovllm.kernels.moe import fused_moe
 from nanovllm.kernels.moe_router import topk_softmax
 from nanovllm.layers.linear import tp_rank_and_size
@@ -104,12 +105,14 @@ class FusedMoE(nn.Module):
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], topk_* [T, k] (global expert ids) -> [T, hidden], summed over ranks."""
+                topk_ids: torch.Tensor) -> torch.Tensor | SplitKSum:
+        """x [T, hidden], topk_* [T, k] (global expert ids) -> [T, hidden], summed over ranks;
+        on one GPU maybe unsummed over the k experts (a SplitKSum for the next norm)."""
         if x.is_cuda:
             out = fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                             expert_offset=self.expert_offset,
-                            all_local=self.num_local_experts == self.num_experts)
+                            all_local=self.num_local_experts == self.num_experts,
+                            defer_sum=self.tp_size == 1)
         else:
             out = moe_reference(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                                 self.expert_offset)

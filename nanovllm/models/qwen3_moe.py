@@ -7,6 +7,7 @@ import re
 import torch
 from torch import nn
 
+from nanovllm.kernels.gemm.split_k import SplitKSum
 from nanovllm.layers.fused_moe import FusedMoE, select_experts
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions
@@ -24,8 +25,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.experts = FusedMoE(hf_config.num_experts, hf_config.hidden_size,
                                 hf_config.moe_intermediate_size, expert_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKSum:
+        """x [T, hidden] -> [T, hidden] (maybe as partials that the next norm sums)."""
         weights, ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
         return self.experts(x, weights, ids)
 

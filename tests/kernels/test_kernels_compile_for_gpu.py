@@ -177,8 +177,8 @@ def moe_configurations() -> dict:
     ids = {"topk_ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
            "num_padded_ptr": "*i32", "cursor_ptr": "*i32"}
     gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*bf16", **ids}
-    gate_up = dict(A_ROW_DIV=8, GATED=True, WEIGHTED=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
-                   BLOCK_K=128, GROUP_M=1)
+    gate_up = dict(TOP_K=8, GATED=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                   GROUP_M=1)
     return {
         "moe align": (moe, "_align_kernel", ids, [],
                       dict(BLOCK_M=64, BINS=128, CHUNK=1024, SCATTER=False)),
@@ -189,10 +189,13 @@ def moe_configurations() -> dict:
                              {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i32"},
                              [], dict(TOP_K=8, K_PAD=8, RENORMALIZE=True, E_PAD=128, BLOCK_T=16)),
         "moe gate/up (SwiGLU)": (moe, "_grouped_gemm_kernel", gemm, [], gate_up),
-        "moe down, weighted, uneven K": (
+        "moe down, uneven K": (
             moe, "_grouped_gemm_kernel", gemm, [],
-            {**gate_up, "A_ROW_DIV": 1, "GATED": False, "WEIGHTED": True, "EVEN_K": False,
-             "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}),
+            {**gate_up, "GATED": False, "EVEN_K": False, "BLOCK_M": 64, "BLOCK_N": 128,
+             "BLOCK_K": 64, "GROUP_M": 8}),
+        "moe down, float32 partials": (
+            moe, "_grouped_gemm_kernel", {**gemm, "out_ptr": "*fp32"}, [],
+            {**gate_up, "GATED": False}),
     }
 
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from nanovllm.kernels import moe as moe_kernels
+from nanovllm.kernels.gemm.split_k import SplitKSum, summed
 from nanovllm.kernels.moe import (
     DECODE_TILES,
+    DEFER_MAX_ASSIGNMENTS,
     MID_TILES,
     PREFILL_TILES,
     MoeTiles,
@@ -94,11 +96,15 @@ def moe_inputs(T, top_k, E, H, inter, dtype, device="cpu", seed=0):
     (20, 8, 10, 32, 32),  # top-8 of 10: nearly every expert, uneven
     (3, 8, 16, 16, 16),  # more experts than assignments
 ])
-def test_fused_moe_matches_reference(T, top_k, E, H, inter):
+@pytest.mark.parametrize("defer_sum", [False, True])
+def test_fused_moe_matches_reference(T, top_k, E, H, inter, defer_sum):
     x, w13, w2, weights, ids = moe_inputs(T, top_k, E, H, inter, torch.float32)
     expected = moe_reference(x, w13, w2, weights, ids)
-    out = fused_moe(x, w13, w2, weights, ids, tiles=SMALL)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out = fused_moe(x, w13, w2, weights, ids, tiles=SMALL, defer_sum=defer_sum)
+    assert isinstance(out, SplitKSum) == defer_sum
+    if defer_sum:  # one float32 partial per expert slot, as split-K partials
+        assert out.parts.shape == (top_k, T, H) and out.dtype == x.dtype
+    torch.testing.assert_close(summed(out), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tiles", [DECODE_TILES, MID_TILES, PREFILL_TILES])
@@ -166,6 +172,9 @@ def test_fused_moe_bf16_on_cuda(T):
     expected = moe_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
     out = fused_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    deferred = fused_moe(x, w13, w2, weights, ids, defer_sum=True)
+    assert isinstance(deferred, SplitKSum) == (T * shape["top_k"] <= DEFER_MAX_ASSIGNMENTS)
+    torch.testing.assert_close(summed(deferred).float(), expected, rtol=2e-2, atol=2e-2)
     for tiles in (DECODE_TILES, MID_TILES, PREFILL_TILES):
         again = fused_moe(x, w13, w2, weights, ids, tiles=tiles)
         torch.testing.assert_close(again.float(), expected, rtol=2e-2, atol=2e-2)
