@@ -67,7 +67,7 @@ def time_size(T: int, bandwidth: float):
         try:
             experts = transformers_experts(w13, w2, implementation)
             with torch.inference_mode():
-                ms = bench(lambda e=experts: e(x, ids, weights), quick=True)
+                ms = bench(lambda e=experts: e(x, ids.long(), weights), quick=True)
             theirs.append(f"transformers {implementation} {ms:.3f} ms")
         except Exception as e:  # an implementation this transformers or GPU lacks
             theirs.append(f"transformers {implementation}: {type(e).__name__}")

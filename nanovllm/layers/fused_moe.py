@@ -27,6 +27,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
     CUDA one Triton kernel (int32 ids)."""
     if router_logits.is_cuda and router_logits.stride(1) == 1:
         return topk_softmax(router_logits, top_k, renormalize)
+    return select_experts_torch(router_logits, top_k, renormalize)
+
+
+def select_experts_torch(router_logits: torch.Tensor, top_k: int,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts by torch ops (transformers' Qwen3MoeTopKRouter): the reference."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
