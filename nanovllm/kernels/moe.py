@@ -227,6 +227,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     [T, H]. The experts held are [expert_offset, + E); with all_local False (expert parallel)
     others' assignments add nothing. Contiguous x and weights. With defer_sum, up to
     DEFER_MAX_ASSIGNMENTS: the k float32 partials as a SplitKSum, summed by the next kernel."""
+    assert x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
     T, H = x.shape
     top_k = topk_ids.shape[1]
     E, inter = w13.shape[0], w2.shape[2]
