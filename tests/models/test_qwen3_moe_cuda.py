@@ -52,10 +52,12 @@ def test_bf16_logits_as_close_to_float32_as_transformers_bf16(tiny_moe_bf16):
 
 
 def test_random_30b_a3b_layer_shape_runs(tmp_path):
-    """Two layers of Qwen3-30B-A3B's shape, from the benchmark writer's per-expert tensors."""
+    """One layer of Qwen3-30B-A3B's shape (a small vocabulary), from the benchmark writer's
+    per-expert tensors, through prefill and the decode graphs."""
     from nanovllm.utils.tiny_model import QWEN3_30B_A3B
 
-    write_benchmark_checkpoint(str(tmp_path), dict(QWEN3_30B_A3B, num_hidden_layers=2))
+    write_benchmark_checkpoint(str(tmp_path), dict(QWEN3_30B_A3B, num_hidden_layers=1,
+                                                   vocab_size=1024))
     with LLM(str(tmp_path), max_model_len=1024) as llm:
         outputs = llm.generate([[1, 2, 3], list(range(500))], GREEDY, use_tqdm=False)
     assert [len(o["token_ids"]) for o in outputs] == [24, 24]
