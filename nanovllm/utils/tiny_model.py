@@ -98,7 +98,8 @@ def write_random_checkpoint(path: str, arch: dict, dtype: str = "float32", seed:
 def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", seed: int = 0,
                                initializer_range: float = 0.02, shard_bytes: int = 4 << 30):
     """Random weights for benchmarks, drawn tensor by tensor as transformers initializes them and
-    saved in shards of about `shard_bytes`, without building the model (meta-device shapes)."""
+    saved in shards of about `shard_bytes`, without building the model (meta-device shapes); with
+    several shards, the index transformers loads them by."""
     import torch
     from safetensors.torch import save_file
 
@@ -110,7 +111,7 @@ def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", s
     torch_dtype = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(seed)
     os.makedirs(path, exist_ok=True)
-    shard, size, index = {}, 0, 0
+    shard, size, index, weight_map, total = {}, 0, 0, {}, 0
     for i, (name, shape) in enumerate(shapes.items()):
         if name.endswith("norm.weight"):
             shard[name] = torch.ones(shape, dtype=torch_dtype)
@@ -121,9 +122,13 @@ def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", s
             shard[name] = drawn.to(torch_dtype)
         size += shard[name].nbytes
         if size >= shard_bytes or i == len(shapes) - 1:
-            file = os.path.join(path, f"model-{index:05d}.safetensors")
-            save_file(shard, file, metadata={"format": "pt"})
-            shard, size, index = {}, 0, index + 1
+            file = f"model-{index:05d}.safetensors"
+            save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+            shard, total, size, index = {}, total + size, 0, index + 1
+    if index > 1:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     config.dtype = dtype  # what `dtype="auto"` then runs in
     config.save_pretrained(path)
     _write_companions(path, config, tokenizer=True)

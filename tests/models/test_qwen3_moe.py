@@ -54,14 +54,21 @@ def test_checkpoint_holds_per_expert_tensors_and_a_dense_layer(tiny_moe):
 def test_benchmark_writer_stores_experts_as_the_hub_does(tmp_path):
     arch = tiny_qwen3_arch(architectures=QWEN3_30B_A3B["architectures"], num_experts=4,
                            num_experts_per_tok=2, moe_intermediate_size=16)
-    write_benchmark_checkpoint(str(tmp_path), arch, dtype="float32")
-    shapes = {name: tuple(t.shape)
-              for name, t in load_file(tmp_path / "model-00000.safetensors").items()}
+    write_benchmark_checkpoint(str(tmp_path), arch, dtype="float32", initializer_range=0.3,
+                               shard_bytes=200_000)
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    shapes = {name: tuple(t.shape) for file in sorted(set(weight_map.values()))
+              for name, t in load_file(tmp_path / file).items()}
+    assert len(set(weight_map.values())) > 1 and set(weight_map) == set(shapes)
     assert shapes["model.layers.1.mlp.experts.3.gate_proj.weight"] == (16, 64)
     assert shapes["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 16)
     assert sum(".experts." in name for name in shapes) == 2 * 4 * 3
+    expected = hf_greedy(str(tmp_path), [1, 2, 3], 8)  # transformers loads it by the index
     with LLM(str(tmp_path), kvcache_block_size=16, num_kvcache_blocks=8) as llm:  # strict load
-        assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 24
+        output = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8,
+                                                           ignore_eos=True), use_tqdm=False)
+    assert output[0]["token_ids"] == expected
 
 
 @pytest.mark.parametrize("variant", ["top2", "top1-sparse-step-2"])
