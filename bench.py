@@ -32,27 +32,33 @@ from nanovllm.utils.tiny_model import (
     QWEN2_5_0_5B,
     QWEN3_0_6B,
     QWEN3_8B,
+    QWEN3_30B_A3B,
     write_benchmark_checkpoint,
 )
 
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 RANDOM_ARCHS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "qwen2.5-0.5b": QWEN2_5_0_5B,
-                "llama-3.2-1b": LLAMA_3_2_1B}
+                "llama-3.2-1b": LLAMA_3_2_1B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 EVERY_CONTROL = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                      presence_penalty=0.2, frequency_penalty=0.2, seed=1, logprobs=5)
 DECODE_BATCH_BOUNDS = (16, 64, 128, 256)  # decode phases: 1-16, 17-64, 65-128, 129-256, 257+
 MEDIAN = "median of {runs} runs: decode {rate:,.0f} tok/s per stream"
 
 
-def resolve_model(path: str | None, arch: str) -> str:
+def resolve_model(path: str | None, arch: str, layers: int | None = None) -> str:
+    """`path`, else a random-weight checkpoint of `arch` (with `layers` layers if given)."""
     if path is not None:
         return path
-    if arch == "qwen3-0.6b" and os.path.isdir(DEFAULT_MODEL):
+    if arch == "qwen3-0.6b" and os.path.isdir(DEFAULT_MODEL) and layers is None:
         return DEFAULT_MODEL
+    shape = dict(RANDOM_ARCHS[arch])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+        arch = f"{arch}-{layers}-layers"
     cached = os.path.expanduser(f"~/.cache/nanovllm/random-{arch}")
     if not os.path.isfile(os.path.join(cached, "config.json")):
         print(f"No checkpoint given: writing a random-weight {arch} checkpoint to {cached} (once)")
-        write_benchmark_checkpoint(cached, RANDOM_ARCHS[arch], dtype="bfloat16")
+        write_benchmark_checkpoint(cached, shape, dtype="bfloat16")
     else:
         print(f"Using the random-weight {arch} checkpoint in {cached}")
     return cached
@@ -224,7 +230,11 @@ def parse_args():
         help=f"checkpoint directory (default {DEFAULT_MODEL}, else a random-weight one)")
     add("--random-arch", default="qwen3-0.6b", choices=sorted(RANDOM_ARCHS),
         help="architecture of the random checkpoint written when no model is given")
+    add("--random-layers", type=int, default=None,
+        help="layers of the random checkpoint (default: the architecture's), e.g. to fit a disk")
     add("--tensor-parallel-size", type=int, default=1)
+    add("--expert-parallel", action="store_true", help="MoE: whole experts per GPU")
+    add("--gpu-memory-utilization", type=float, default=0.9)
     add("--attention-backend", default="auto")
     add("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     add("--enforce-eager", action="store_true")
@@ -279,10 +289,11 @@ def main():
     if args.mixed_sampling:
         bench_mixed_sampling(EVERY_CONTROL)
         return
-    model = resolve_model(args.model, args.random_arch)
+    model = resolve_model(args.model, args.random_arch, args.random_layers)
     with LLM(model, max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
              attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-             enforce_eager=args.enforce_eager) as llm:
+             enforce_eager=args.enforce_eager, expert_parallel=args.expert_parallel,
+             gpu_memory_utilization=args.gpu_memory_utilization) as llm:
         print(f"KV pool: {llm.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} "
               f"tokens ({args.kv_cache_dtype}), backend {llm.config.attention_backend}, "
               f"tp {args.tensor_parallel_size}")

@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 
 # The keys of nanovllm.models.MODELS.
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
+                           "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -33,6 +34,7 @@ class Config:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs' text is ""
+    expert_parallel: bool = False  # MoE: whole experts per rank instead of slices of each
     hf_config: object = field(init=False, repr=False)
 
     @classmethod
@@ -64,7 +66,7 @@ class Config:
         utilization = self.gpu_memory_utilization
         if not isinstance(utilization, (int, float)) or isinstance(utilization, bool):
             raise TypeError(f"gpu_memory_utilization must be a float, got {utilization!r}")
-        for name in ("enforce_eager", "skip_tokenizer_init"):
+        for name in ("enforce_eager", "skip_tokenizer_init", "expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
@@ -100,6 +102,25 @@ class Config:
                             ("vocab_size", hf.vocab_size)):
             if count % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {what}={count}")
+        self._check_experts()
+
+    def _check_experts(self):
+        """Mixture of experts: expert_parallel splits the experts, else their intermediate dim."""
+        hf, tp = self.hf_config, self.tensor_parallel_size
+        num_experts = getattr(hf, "num_experts", 0) or 0
+        if not num_experts:
+            if self.expert_parallel:
+                raise ValueError("expert_parallel=True needs a mixture-of-experts checkpoint, "
+                                 f"{self.model!r} has no experts")
+            return
+        if not 1 <= hf.num_experts_per_tok <= num_experts:
+            raise ValueError(f"num_experts_per_tok={hf.num_experts_per_tok} must be in "
+                             f"1..num_experts={num_experts}")
+        what, count = (("num_experts", num_experts) if self.expert_parallel
+                       else ("moe_intermediate_size", hf.moe_intermediate_size))
+        if count % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {what}={count}"
+                             f"{' (expert_parallel=True)' if self.expert_parallel else ''}")
 
     def _resolve_auto(self):
         import torch  # deferred: keeps `import nanovllm.config` light

@@ -21,7 +21,7 @@ tests/sampling/test_sampler_controls.py;tests/models/test_kv_cache_fp8.py \
 tests/kernels/test_skinny_gemm.py tests/kernels/test_tiled_gemm.py \
 tests/kernels/test_qk_norm_rope.py tests/kernels/test_norm_activation_kernels.py \
 tests/kernels/test_kernels_compile_for_gpu.py tests/runner/test_host_to_device.py \
-tests/tools/test_bench.py"
+tests/tools/test_bench.py tests/kernels/test_moe.py tests/models/test_qwen3_moe_cuda.py"
 IFS=';' read -ra tests <<< "${TESTS-$DEFAULT_TESTS}"
 for args in "${tests[@]}"; do
   echo "== pytest $args" | tee -a "$OUT/gpu_tests.txt"

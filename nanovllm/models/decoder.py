@@ -2,6 +2,7 @@
 residual blocks, tensor-parallel layers. A family (qwen3.py, qwen2.py, llama.py) subclasses
 `DecoderForCausalLM` and states its `DecoderOptions`; parameter names follow the checkpoints'."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,10 +118,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str):
+    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str, mlp: nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(hf_config, options, attention_backend)
-        self.mlp = DecoderMLP(hf_config, options)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 
@@ -136,12 +137,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str):
+    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str,
+                 make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            [DecoderLayer(hf_config, options, attention_backend)
-             for _ in range(hf_config.num_hidden_layers)])
+            [DecoderLayer(hf_config, options, attention_backend, make_mlp(i))
+             for i in range(hf_config.num_hidden_layers)])
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -169,9 +171,16 @@ class DecoderForCausalLM(nn.Module):
     def decoder_options(cls, hf_config) -> DecoderOptions:
         raise NotImplementedError
 
-    def __init__(self, hf_config, attention_backend: str):
+    def make_mlp(self, hf_config, options: DecoderOptions, layer: int) -> nn.Module:
+        """The feed-forward block of layer `layer` (a mixture of experts overrides this)."""
+        return DecoderMLP(hf_config, options)
+
+    def __init__(self, hf_config, attention_backend: str, expert_parallel: bool = False):
         super().__init__()
-        self.model = DecoderModel(hf_config, self.decoder_options(hf_config), attention_backend)
+        self.expert_parallel = expert_parallel  # whole experts per rank (MoE families only)
+        options = self.decoder_options(hf_config)
+        self.model = DecoderModel(hf_config, options, attention_backend,
+                                  lambda layer: self.make_mlp(hf_config, options, layer))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

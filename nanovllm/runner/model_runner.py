@@ -89,7 +89,8 @@ class ModelRunner:
         self._init_process_group(port)
         self.dtype = config.torch_dtype
         with default_dtype_and_device(self.dtype, self.device):
-            self.model = model_class(hf)(hf, config.attention_backend)
+            self.model = model_class(hf)(hf, config.attention_backend,
+                                         expert_parallel=config.expert_parallel)
         self.weight_shapes = load_model(self.model, config.model)  # checkpoint name -> shape
         self.sampler = Sampler()
         self.num_kv_heads = hf.num_key_value_heads // self.world_size

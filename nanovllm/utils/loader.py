@@ -35,10 +35,12 @@ def load_model(model: nn.Module, path: str) -> dict[str, tuple[int, ...]]:
 def load_weights(model: nn.Module, weights: Weights,
                  complete: bool = True) -> dict[str, tuple[int, ...]]:
     """Copy each (name, tensor) in place through its parameter's `weight_loader` (TP sharding);
-    packed projections are routed by `model.packed_modules_mapping`; with tied embeddings
+    packed projections are routed by `model.packed_modules_mapping` (or the model's
+    `route_weight`, e.g. per-expert tensors into stacked experts); with tied embeddings
     `lm_head.weight` is skipped. complete: every parameter must be loaded, each exactly once.
     Returns each loaded name's shape (with tied embeddings, lm_head.weight's too)."""
     packed = getattr(model, "packed_modules_mapping", {})
+    route = getattr(model, "route_weight", None)
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=True))
     loaded, shapes = set(), {}
@@ -46,7 +48,7 @@ def load_weights(model: nn.Module, weights: Weights,
         shapes[ckpt_name] = tuple(tensor.shape)
         if tied and ckpt_name == "lm_head.weight":
             continue
-        name, shard = _route(ckpt_name, packed)
+        name, shard = (route and route(ckpt_name)) or _route(ckpt_name, packed)
         if name not in params:
             raise ValueError(f"unexpected tensor {ckpt_name!r}: the model has no such parameter")
         if (name, shard) in loaded:
@@ -124,9 +126,10 @@ def _expected_keys(params: dict, packed: dict) -> set[tuple[str, object]]:
     for dst, shard in packed.values():
         shards_of.setdefault(dst, []).append(shard)
     expected = set()
-    for name in params:
+    for name, param in params.items():
         module = name.split(".")[-2] if "." in name else ""
-        expected.update((name, shard) for shard in shards_of.get(module, [None]))
+        shards = getattr(param, "shard_ids", None) or shards_of.get(module, [None])
+        expected.update((name, shard) for shard in shards)
     return expected
 
 

@@ -1,5 +1,5 @@
-"""Random-weight checkpoints (Qwen3, Qwen2, Llama) written by transformers, so that the engine can
-be checked token for token against transformers on the same weights."""
+"""Random-weight checkpoints (Qwen3, Qwen3-MoE, Qwen2, Llama) written by transformers, so that the
+engine can be checked token for token against transformers on the same weights."""
 
 import json
 import os
@@ -32,6 +32,12 @@ LLAMA_3_2_1B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidde
                     rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
                                       high_freq_factor=4.0, original_max_position_embeddings=8192),
                     tie_word_embeddings=True)
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+                     intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
 SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -61,7 +67,7 @@ def _transformers_classes(architecture: str):
     import transformers
 
     config_names = {"Qwen3ForCausalLM": "Qwen3Config", "Qwen2ForCausalLM": "Qwen2Config",
-                    "LlamaForCausalLM": "LlamaConfig"}
+                    "LlamaForCausalLM": "LlamaConfig", "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
     if architecture not in config_names:
         raise ValueError(f"no random-checkpoint writer for {architecture!r}; "
                          f"known: {', '.join(config_names)}")
@@ -92,19 +98,20 @@ def write_random_checkpoint(path: str, arch: dict, dtype: str = "float32", seed:
 def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", seed: int = 0,
                                initializer_range: float = 0.02, shard_bytes: int = 4 << 30):
     """Random weights for benchmarks, drawn tensor by tensor as transformers initializes them and
-    saved in shards of about `shard_bytes`, without building the model (meta-device shapes)."""
+    saved in shards of about `shard_bytes`, without building the model (meta-device shapes); with
+    several shards, the index transformers loads them by."""
     import torch
     from safetensors.torch import save_file
 
     _, config, model_class = _transformers_config(arch, initializer_range)
     with torch.device("meta"):
-        shapes = {name: t.shape for name, t in model_class(config).state_dict().items()}
+        shapes = _checkpoint_shapes(model_class(config).state_dict())
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # tied, as save_pretrained writes it
     torch_dtype = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(seed)
     os.makedirs(path, exist_ok=True)
-    shard, size, index = {}, 0, 0
+    shard, size, index, weight_map, total = {}, 0, 0, {}, 0
     for i, (name, shape) in enumerate(shapes.items()):
         if name.endswith("norm.weight"):
             shard[name] = torch.ones(shape, dtype=torch_dtype)
@@ -115,12 +122,35 @@ def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", s
             shard[name] = drawn.to(torch_dtype)
         size += shard[name].nbytes
         if size >= shard_bytes or i == len(shapes) - 1:
-            file = os.path.join(path, f"model-{index:05d}.safetensors")
-            save_file(shard, file, metadata={"format": "pt"})
-            shard, size, index = {}, 0, index + 1
+            file = f"model-{index:05d}.safetensors"
+            save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+            shard, total, size, index = {}, total + size, 0, index + 1
+    if index > 1:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     config.dtype = dtype  # what `dtype="auto"` then runs in
     config.save_pretrained(path)
     _write_companions(path, config, tokenizer=True)
+
+
+def _checkpoint_shapes(state_dict: dict) -> dict:
+    """Tensor shapes as save_pretrained writes them: stacked experts ([E, 2I, H] gate_up_proj and
+    [E, H, I] down_proj) as per-expert gate_proj, up_proj and down_proj, like the hub's files."""
+    shapes = {}
+    for name, tensor in state_dict.items():
+        prefix, _, last = name.rpartition(".")
+        if not prefix.endswith(".experts"):
+            shapes[name] = tensor.shape
+            continue
+        num_experts, rows, cols = tensor.shape
+        for e in range(num_experts):
+            if last == "down_proj":
+                shapes[f"{prefix}.{e}.down_proj.weight"] = (rows, cols)
+            else:
+                shapes[f"{prefix}.{e}.gate_proj.weight"] = (rows // 2, cols)
+                shapes[f"{prefix}.{e}.up_proj.weight"] = (rows // 2, cols)
+    return shapes
 
 
 def _transformers_config(arch: dict, initializer_range: float):
@@ -184,5 +214,15 @@ def write_tiny_llama(path: str, dtype: str = "float32", seed: int = 0, **arch_ov
                    original_max_position_embeddings=256)
     arch = tiny_qwen3_arch(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
                            rope_scaling=scaling)
+    arch.update(arch_overrides)
+    write_random_checkpoint(path, arch, dtype=dtype, seed=seed, initializer_range=0.3)
+
+
+def write_tiny_qwen3_moe(path: str, dtype: str = "float32", seed: int = 0, **arch_overrides):
+    """A 3-layer Qwen3-MoE: 8 experts, top-2 (renormalized), layer 1 dense (`mlp_only_layers`)."""
+    arch = tiny_qwen3_arch(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=3,
+                           intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                           mlp_only_layers=[1])
     arch.update(arch_overrides)
     write_random_checkpoint(path, arch, dtype=dtype, seed=seed, initializer_range=0.3)

@@ -172,11 +172,38 @@ def other_configurations() -> dict:
     }
 
 
+def moe_configurations() -> dict:
+    moe = "nanovllm.kernels.moe"
+    ids = {"topk_ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+           "num_padded_ptr": "*i32", "cursor_ptr": "*i32"}
+    gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*bf16", **ids}
+    gate_up = dict(TOP_K=8, GATED=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                   GROUP_M=1)
+    return {
+        "moe align": (moe, "_align_kernel", ids, [],
+                      dict(BLOCK_M=64, BINS=128, CHUNK=1024, SCATTER=False)),
+        "moe align + scatter": (moe, "_align_kernel", ids, [],
+                                dict(BLOCK_M=16, BINS=128, CHUNK=1024, SCATTER=True)),
+        "moe scatter": (moe, "_scatter_kernel", ids, [], dict(CHUNK=1024)),
+        "moe router top-k": ("nanovllm.kernels.moe_router", "_topk_softmax_kernel",
+                             {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i32"},
+                             [], dict(TOP_K=8, K_PAD=8, RENORMALIZE=True, E_PAD=128, BLOCK_T=16)),
+        "moe gate/up (SwiGLU)": (moe, "_grouped_gemm_kernel", gemm, [], gate_up),
+        "moe down, uneven K": (
+            moe, "_grouped_gemm_kernel", gemm, [],
+            {**gate_up, "GATED": False, "EVEN_K": False, "BLOCK_M": 64, "BLOCK_N": 128,
+             "BLOCK_K": 64, "GROUP_M": 8}),
+        "moe down, float32 partials": (
+            moe, "_grouped_gemm_kernel", {**gemm, "out_ptr": "*fp32"}, [],
+            {**gate_up, "GATED": False}),
+    }
+
+
 def configurations():
     import triton.language as tl
 
     return {**attention_configurations(dict(FP8_COMPUTE=tl.float16)),
-            **other_configurations(), **qk_norm_rope_configurations()}
+            **other_configurations(), **qk_norm_rope_configurations(), **moe_configurations()}
 
 
 def kernel_source(module: str, kernel: str, pointers: dict, floats: list, constexprs: dict,
