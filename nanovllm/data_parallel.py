@@ -75,9 +75,7 @@ def _check_option_names(options: dict):
 
 
 def replica_resources(ray, options: dict) -> tuple[str, dict]:
-    """The device of an engine with these options on this Ray cluster ("auto": "cuda" if the
-    cluster has GPUs), and what its actor asks Ray for: a GPU per tensor-parallel rank (CPUs on
-    the CPU)."""
+    """(device, the Ray resources of one replica's actor): a GPU per tensor-parallel rank."""
     tp = options.get("tensor_parallel_size", 1)
     device = options.get("device", "auto")
     if device == "auto":
@@ -86,10 +84,8 @@ def replica_resources(ray, options: dict) -> tuple[str, dict]:
 
 
 class DataParallelLLM:
-    """`data_parallel_size` engines, each an `LLM` in a Ray actor with `tensor_parallel_size` GPUs
-    (CPUs on the CPU). On an initialised Ray (`ray.init(address=...)`) they go on that cluster,
-    else on a local Ray started here. generate / chat split a batch among them by expected tokens
-    (prompt + max_tokens); a replica that dies has its requests re-run on the others."""
+    """`data_parallel_size` engines, each an `LLM` in a Ray actor (README.md, "Data parallel on
+    Ray"); a replica that dies has its requests re-run on the others."""
 
     def __init__(self, model: str, data_parallel_size: int = 1, data_parallel_backend: str = "ray",
                  **options):

@@ -47,10 +47,7 @@ def conversation_prompts(tokenizer, messages) -> list[list[int]]:
 
 
 class LLM(LLMEngine):
-    """The public entry point: `LLM(model_dir, **options).generate(prompts, sampling_params)`.
-
-    With `data_parallel_size > 1` (or `data_parallel_backend="ray"`) it returns a
-    `DataParallelLLM`: replicas of the engine as Ray actors (nanovllm/data_parallel.py)."""
+    """`LLM(model, **options).generate(prompts, sampling_params)`; a DataParallelLLM on Ray."""
 
     def __new__(cls, *args, **options):
         from nanovllm.data_parallel import uses_ray
@@ -93,10 +90,8 @@ class LLM(LLMEngine):
 
 
     def update_weights(self, weights) -> None:
-        """Copy (name, tensor) pairs into the weights in place, as start-up loads them (TP shards,
-        packed q/k/v and gate/up): names as the checkpoint's (a trainer's state_dict(), or a
-        dict), full tensors on any device, any subset. All are checked before any is copied.
-        Refused while requests are unfinished; the prefix cache is reset after."""
+        """Copy (name, tensor) pairs (checkpoint names, any subset, any device) into the weights in
+        place, all checked first; refused while requests are unfinished (README.md)."""
         pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
         for i, pair in enumerate(pairs):
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2
@@ -121,9 +116,8 @@ class LLM(LLMEngine):
             self.scheduler.block_manager.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
-        """Free the KV cache (its prefix cache too); level 1 keeps the weights in pinned host
-        memory, level 2 discards them (load them after wake_up() with update_weights()). Refused
-        while requests are unfinished."""
+        """Free the KV cache; level 1 keeps the weights in pinned host memory, level 2 discards
+        them (reload them with update_weights() after wake_up())."""
         if level not in (1, 2) or isinstance(level, bool):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         with self._lock:
@@ -136,8 +130,7 @@ class LLM(LLMEngine):
             self.sleep_level = level
 
     def wake_up(self) -> None:
-        """Restore what sleep() freed; the CUDA graphs are captured again unless every tensor came
-        back at its old address (a no-op when awake)."""
+        """Restore what sleep() freed (a no-op when awake)."""
         with self._lock:
             self._check_alive(awake=False)
             if not self.sleep_level:
@@ -160,8 +153,7 @@ class LLM(LLMEngine):
                                "them finish (or close their streams) first")
 
     def _on_all_ranks(self, method: str, *args, local: tuple = ()):
-        """Run a runner method on every rank (rank 0 with `local` args too); on failure the ranks
-        may be out of step, so the LLM exits."""
+        """Run a runner method on every rank; on failure the ranks may be out of step: exit."""
         try:
             if self.channel is not None:
                 self.channel.send(method, *args)

@@ -1,17 +1,5 @@
-"""Ray Data: a dataset of prompts into a dataset of completions, through a pool of engine actors.
-
-    import ray
-    from nanovllm import SamplingParams
-    from nanovllm.ray_data import generate_dataset
-
-    ds = ray.data.from_items([{"prompt": "Hello"}, {"prompt": "The capital of France is"}])
-    out = generate_dataset(ds, "~/huggingface/Qwen3-0.6B", SamplingParams(max_tokens=64),
-                           num_replicas=2)
-    for row in out.iter_rows():  # the input columns plus generated_text, generated_token_ids,
-        print(row["prompt"], row["generated_text"])  # finish_reason
-
-The dataset streams: blocks are read, generated and written as they come, so it may be larger
-than memory. Rows come out in no set order unless the DataContext says `preserve_order`."""
+"""Ray Data: a dataset of prompts into a dataset of completions through a pool of engine actors
+(README.md, "Data parallel on Ray"). The dataset streams, so it may be larger than memory."""
 
 import numpy as np
 

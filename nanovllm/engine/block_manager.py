@@ -74,8 +74,7 @@ class BlockManager:
         return seq.num_blocks - hits_in_use + self.fork_cost(seq) <= self.num_free_blocks
 
     def fork_cost(self, seq: Sequence) -> int:
-        """Free blocks that forking `seq`'s pending samples takes: a copy of a partial last block
-        each (a full one is shared)."""
+        """Free blocks that forking `seq`'s pending samples takes: one per partial last block."""
         return len(seq.forks) if seq.num_tokens % self.block_size else 0
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:

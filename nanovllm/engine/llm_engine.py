@@ -37,8 +37,7 @@ NO_MAIN_GUARD = ("tensor_parallel_size > 1 starts worker processes that import y
 
 
 def _abort_nccl_group() -> threading.Thread:
-    """Abort the NCCL process group, whose kernels wait for a dead rank, on a daemon thread: the
-    abort itself may never return either."""
+    """Abort the NCCL process group on a daemon thread: the abort itself may never return."""
     abort = dist.distributed_c10d._abort_process_group
     aborter = threading.Thread(target=abort, name="nccl-abort", daemon=True)
     aborter.start()
@@ -263,8 +262,7 @@ class LLMEngine:
             return self.scheduler.is_finished()
 
     def step(self) -> StepResult:
-        """Launch a step, then postprocess the previous one while the GPU runs it: the new step
-        reads the previous one's sampled tokens on the device."""
+        """Launch a step, then postprocess the previous one while the GPU runs the new one."""
         with self._lock:
             self._check_alive()
             self._apply_aborts()
@@ -348,9 +346,8 @@ class LLMEngine:
 
     def generate(self, prompts, sampling_params,
                  use_tqdm: bool | Callable[..., tqdm] = True) -> list:
-        """Run a batch to completion; outputs in input order, per prompt a dict, or with
-        SamplingParams.n > 1 a list of its n dicts in sample order. Other callers' requests
-        (threads, open streams) advance in the same steps. `use_tqdm` may be a tqdm-like factory."""
+        """Run a batch to completion; per prompt in input order a dict (a list of n for n > 1).
+        Other callers' requests share the steps. `use_tqdm` may be a tqdm-like factory."""
         seqs = self.make_sequences(prompts, sampling_params)
         self._add(seqs)
         make_bar = use_tqdm if callable(use_tqdm) else tqdm

@@ -1,7 +1,5 @@
 """Decides which sequences run in each step: all prefill, or all decode. Plain Python over ints.
-
-`schedule` picks a step, `commit` records its launch (a placeholder per token it will sample) and
-`postprocess` takes its tokens, after the next step's commit."""
+`schedule` picks a step, `commit` records its launch, `postprocess` takes its tokens."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -21,8 +19,7 @@ class CommittedStep:
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int,
                num_blocks: int, n: int = 1):
-    """Raise ValueError if a request of this size (n samples) could never be scheduled in such a
-    pool."""
+    """Raise ValueError if a request of this size (n samples) could never be scheduled."""
     total = num_prompt_tokens + max_tokens
     if total > max_model_len:
         raise ValueError(f"prompt length {num_prompt_tokens} + max_tokens {max_tokens} = "
@@ -103,8 +100,7 @@ class Scheduler:
         return scheduled
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Start the pending samples of `parent`, whose prompt this step completes: each joins the
-        step right after it with no token to compute, and samples from its prompt's last row."""
+        """Start `parent`'s pending samples in this step, sampling from its prompt's last row."""
         forks, parent.forks = parent.forks, []
         for child in forks:
             child.parent = None
@@ -156,8 +152,7 @@ class Scheduler:
         return step
 
     def postprocess(self, step: CommittedStep, token_ids: list[int]) -> list[Sequence]:
-        """Resolve a step's placeholders with its tokens (one per `step.sampled`), hash the blocks
-        it completed and finish sequences; returns those that finished."""
+        """Resolve a step's placeholders with its tokens, hash its full blocks; returns finished."""
         finished = []
         for seq, token_id in zip(step.sampled, token_ids, strict=True):
             if seq.is_finished:
@@ -181,8 +176,7 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
-        """End `seq`, running, waiting or not yet forked: free its blocks and drop it from its
-        queue; the samples still waiting to fork from it end with it."""
+        """End `seq` (running, waiting or not forked yet) and the samples waiting to fork from it."""
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason

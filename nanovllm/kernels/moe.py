@@ -10,11 +10,8 @@ graphs capture it: no host sync, no data-dependent shape.
   down        y[j, t] = weight[i] * (act[i] @ down[e].T)                         [top_k, T, H]
   sum         out[t] = sum_j y[j, t]                                               [T, H]
 
-The sum is a second pass, not atomics: deterministic, and bf16 atomics are slow. In decode y is
-float32 and handed on as split-K partials (SplitKSum): the next RMSNorm sums them as it loads.
-Tiles: few rows per expert (decode) reads each expert's weights once with 16-row blocks; many rows
-(prefill) takes 64-row blocks with grouped program order so that an expert's weight tiles stay in
-L2 across its row blocks (docs/kernels.md)."""
+The sum is a second pass, not atomics; decode hands y on as split-K partials (SplitKSum) to
+the next RMSNorm. Tiles and their reasons: docs/kernels.md."""
 
 import dataclasses
 

@@ -1,11 +1,6 @@
-"""Mixture-of-experts layers: the router's top-k and the experts' stacked SwiGLU weights. On CUDA
-the experts run as the fused Triton grouped GEMMs of kernels/moe.py; elsewhere as a loop over
-experts (the reference the tests compare with).
-
-Tensor parallel: every rank holds every expert, a slice of its intermediate dim (like DecoderMLP).
-Expert parallel: each rank holds whole experts, a contiguous range of them. Either way each rank
-sees every token (attention is tensor-parallel) and one all-reduce sums the ranks' partial outputs.
-"""
+"""Mixture-of-experts layers: the router's top-k and the stacked SwiGLU experts (fused Triton GEMMs
+on CUDA, a loop over experts elsewhere). TP slices every expert, EP holds whole experts; either way
+one all-reduce sums the ranks' partial outputs (docs/architecture.md)."""
 
 import torch
 import torch.distributed as dist

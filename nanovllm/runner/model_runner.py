@@ -1,6 +1,5 @@
 """One ModelRunner per tensor-parallel rank: the model shard, the KV pool, the CUDA graphs. Rank 0
-lives in the engine's process and samples; the workers run the calls received over `ShmChannel`.
-Every rank runs every call, so collectives line up."""
+samples; the workers run every call received over `ShmChannel`, so collectives line up."""
 
 import os
 import socket
@@ -48,8 +47,7 @@ def default_dtype_and_device(dtype: torch.dtype, device: torch.device):
 
 
 def _exit_with_parent(parent_pid: int):
-    """A worker's watchdog: once rank 0's process is gone, end this one at once, even while its
-    main thread waits in a collective that will never complete."""
+    """A worker's watchdog: end this process once rank 0's is gone (even inside a collective)."""
     while os.getppid() == parent_pid:
         time.sleep(PARENT_CHECK_SECONDS)
     os._exit(0)
@@ -151,8 +149,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def update_weights(self, specs: list[tuple[str, tuple]], weights=None):
-        """Copy (name, tensor) pairs in place into the weights, in `specs`' (name, shape) order:
-        rank 0 holds `weights` (any device); with TP the workers receive each by a broadcast."""
+        """Copy (name, tensor) pairs in place (order: specs); TP workers get each by broadcast."""
         load_weights(self.model, self._received(specs, weights), complete=False)
 
     def _received(self, specs: list[tuple[str, tuple]], weights):
@@ -169,8 +166,7 @@ class ModelRunner:
             yield name, tensor
 
     def sleep(self, level: int):
-        """Free the KV pool; the weights go to pinned host memory (level 1; on the CPU, where they
-        already are, they stay) or are discarded (level 2). The CUDA graphs are kept."""
+        """Free the KV pool; weights to pinned host memory (level 1) or discarded (level 2)."""
         weights = list(self.model.parameters()) if level == 2 or self.device.type == "cuda" else []
         pools = [t for t in (self.kv_cache, self.kv_scales) if t is not None]
         # Freed weights first, so that waking allocates in start-up's order: weights, then KV.
@@ -181,8 +177,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def wake_up(self):
-        """Restore what sleep freed (the KV pool zeroed; after level 2, zeroed weights). The graphs
-        read the old addresses: unless every tensor came back at its own, capture them again."""
+        """Restore what sleep freed; capture the graphs again unless every address is unchanged."""
         same_addresses = [offloaded.restore() for offloaded in self.offloaded]
         self.offloaded = []
         if self.graphs is not None and not all(same_addresses):
@@ -270,8 +265,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> "PendingOutput | None":
-        """Launch one step without waiting for it; on rank 0, return its sampled tokens (one per
-        sequence that completes its prefill) on their way to the host."""
+        """Launch one step; on rank 0, return its sampled tokens on their way to the host."""
         if is_prefill:
             input_ids, positions, meta, sample_rows = self.inputs.prepare_prefill(seqs)
             hidden = self.model(input_ids, positions, meta)[sample_rows]

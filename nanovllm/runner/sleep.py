@@ -1,9 +1,6 @@
-"""Sleep mode: tensors' device memory freed and restored under the same tensor objects.
-
-Each storage is resized to zero bytes and back (`untyped_storage().resize_`), so every parameter,
-every view of the KV pool and every module holding one stays valid. The caching allocator may give
-the bytes back at another address, which a CUDA graph would not follow: `restore` says whether
-every storage came back at its old one."""
+"""Sleep mode: each storage resized to zero bytes and back, so every tensor and view stays valid;
+`restore` says whether every storage came back at its old address (else graphs are captured
+again)."""
 
 import torch
 

@@ -97,9 +97,8 @@ def write_random_checkpoint(path: str, arch: dict, dtype: str = "float32", seed:
 
 def write_benchmark_checkpoint(path: str, arch: dict, dtype: str = "bfloat16", seed: int = 0,
                                initializer_range: float = 0.02, shard_bytes: int = 4 << 30):
-    """Random weights for benchmarks, drawn tensor by tensor as transformers initializes them and
-    saved in shards of about `shard_bytes`, without building the model (meta-device shapes); with
-    several shards, the index transformers loads them by."""
+    """Random weights for benchmarks, drawn tensor by tensor as transformers initializes them,
+    saved in indexed shards of about `shard_bytes`."""
     import torch
     from safetensors.torch import save_file
 
