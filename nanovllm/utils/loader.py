@@ -8,33 +8,44 @@ from torch import nn
 
 
 def load_model(model: nn.Module, path: str):
-    """Load `path`/*.safetensors through each parameter's `weight_loader`; packed projections are
-    routed by `model.packed_modules_mapping`; with tied embeddings `lm_head.weight` is skipped."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    """Load `path`/*.safetensors (or the .gguf file `path`) through each parameter's
+    `weight_loader`; packed projections are routed by `model.packed_modules_mapping`; with tied
+    embeddings `lm_head.weight` is skipped."""
     packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=True))
     loaded = set()
-    for file in files:
-        with _open(file) as f:
-            for ckpt_name in f.keys():
-                if tied and ckpt_name == "lm_head.weight":
-                    continue
-                name, shard = _route(ckpt_name, packed)
-                if name not in params:
-                    raise ValueError(f"unexpected tensor {ckpt_name!r} in {file!r}: "
-                                     "the model has no such parameter")
-                if (name, shard) in loaded:
-                    raise ValueError(f"tensor {ckpt_name!r} appears more than once in {path!r}")
-                tensor = f.get_tensor(ckpt_name)
-                _load_tensor(params[name], tensor, shard, f"{ckpt_name!r} from {file!r}")
-                loaded.add((name, shard))
+    for file, ckpt_name, tensor in _checkpoint_tensors(path):
+        if tied and ckpt_name == "lm_head.weight":
+            continue
+        name, shard = _route(ckpt_name, packed)
+        if name not in params:
+            raise ValueError(f"unexpected tensor {ckpt_name!r} in {file!r}: "
+                             "the model has no such parameter")
+        if (name, shard) in loaded:
+            raise ValueError(f"tensor {ckpt_name!r} appears more than once in {path!r}")
+        _load_tensor(params[name], tensor, shard, f"{ckpt_name!r} from {file!r}")
+        loaded.add((name, shard))
     missing = sorted(f"{n}" + (f" (shard {s!r})" if s is not None else "")
                      for n, s in _expected_keys(params, packed) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensors for: {', '.join(missing)}")
+
+
+def _checkpoint_tensors(path: str):
+    """(file, checkpoint name, tensor) for every tensor of the checkpoint, read one at a time."""
+    if path.endswith(".gguf"):
+        from nanovllm.utils.gguf_checkpoint import gguf_weights
+
+        yield from ((path, name, tensor) for name, tensor in gguf_weights(path))
+        return
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                yield file, name, f.get_tensor(name)
 
 
 def _open(file: str):
