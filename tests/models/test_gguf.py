@@ -145,7 +145,8 @@ def test_llama3_rope_frequencies_are_refused(tiny_llama, tmp_path):
 
 def test_unknown_tensor_names_the_tensor_and_file(tiny_llama, tmp_path):
     path = str(tmp_path / "extra.gguf")
-    write_tiny_gguf(tiny_llama, path, extra_tensors={"blk.0.mystery.weight": np.ones(8, np.float32)})
+    extra = {"blk.0.mystery.weight": np.ones(8, np.float32)}
+    write_tiny_gguf(tiny_llama, path, extra_tensors=extra)
     with pytest.raises(ValueError, match=f"unexpected tensor 'blk.0.mystery.weight' in '{path}'"):
         list(gguf_weights(path))
 
