@@ -89,7 +89,9 @@ def _hub_checkpoint(repo_id: str, revision: str | None, gguf_file: str | None) -
         if not lacking:
             return os.path.join(snapshot, gguf_file) if gguf_file else snapshot
         tried.append(f"the hub cache {cache_dir!r} has a snapshot without {lacking}")
-    except Exception as e:  # huggingface_hub's errors for a missing repo or revision
+    except FileNotFoundError:  # huggingface_hub's LocalEntryNotFoundError
+        tried.append(f"the hub cache {cache_dir!r}: no snapshot of {what}")
+    except Exception as e:  # huggingface_hub's other errors (a malformed cache)
         tried.append(f"the hub cache {cache_dir!r}: {_first_line(e)}")
     if hub_offline():
         tried.append("no download: HF_HUB_OFFLINE is set")
