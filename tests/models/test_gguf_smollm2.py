@@ -1,5 +1,5 @@
 """The real SmolLM2-135M-Instruct Q4_1 GGUF: greedy tokens and the chat template against
-transformers loading the same file, float32 on the CPU."""
+transformers loading the same file, float32 on the CPU; bfloat16 on a GPU."""
 
 import os
 
@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from tests.conftest import needs_cuda
 from tests.models.test_gguf import greedy
-
-pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
 
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -33,6 +32,7 @@ def smollm2(smollm2_gguf):
         yield llm
 
 
+@pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
 def test_greedy_tokens_equal_transformers_on_the_same_file(smollm2, transformers_smollm2):
     model, tokenizer = transformers_smollm2
     outputs = smollm2.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -42,6 +42,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_file(smollm2, transformers
         assert output["text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
+@pytest.mark.cpu_suite
 def test_chat_uses_the_files_template(smollm2, transformers_smollm2):
     model, tokenizer = transformers_smollm2
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
@@ -50,3 +51,12 @@ def test_chat_uses_the_files_template(smollm2, transformers_smollm2):
     assert "You are a helpful AI assistant named SmolLM" in tokenizer.decode(prompt)
     (output,) = smollm2.chat(conversation, GREEDY, use_tqdm=False)
     assert output["token_ids"] == greedy(model, prompt, NUM_TOKENS)
+
+
+@needs_cuda
+def test_gguf_runs_on_the_gpu_in_bfloat16(smollm2_gguf):
+    with LLM(smollm2_gguf, max_model_len=512) as llm:
+        assert llm.config.dtype == "bfloat16"  # the default for a GGUF on CUDA
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert "Paris" in outputs[0]["text"]
+    assert [len(o["token_ids"]) for o in outputs] == [NUM_TOKENS] * len(PROMPTS)
