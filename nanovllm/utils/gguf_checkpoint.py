@@ -37,7 +37,7 @@ def open_gguf(path: str):
     """The file's GGUFReader (memory-mapped, the last one kept: config, weights and tokenizer
     all read the same file)."""
     stat = os.stat(path)
-    return _reader(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    return _reader(path, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,6 +70,9 @@ def gguf_config_fields(path: str) -> dict:
     """The config.json fields of the model in a GGUF file, from its metadata and tensor names."""
     reader = open_gguf(path)
     arch = architecture(reader, path)
+    if metadata(reader, "split.count", path, 1) > 1:
+        raise ValueError(f"{path!r} is one part of a split GGUF, which is not supported; merge "
+                         "the parts into one file (llama.cpp's llama-gguf-split --merge)")
     names = {t.name for t in reader.tensors}
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:

@@ -25,6 +25,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=Tru
 ENGINE = dict(kvcache_block_size=16, num_kvcache_blocks=64)
 WRITERS = {  # GGUF has no llama3 RoPE scaling metadata: the tiny Llama gets the default RoPE
     "llama": lambda path: write_tiny_llama(path, rope_scaling={}),
+    "llama-untied": lambda path: write_tiny_llama(path, seed=1, rope_scaling={},
+                                                  tie_word_embeddings=False),
     "qwen2": write_tiny_qwen2,
     "qwen3": write_tiny_qwen3,
 }
@@ -140,6 +142,13 @@ def test_llama3_rope_frequencies_are_refused(tiny_llama, tmp_path):
     path = str(tmp_path / "rope.gguf")
     write_tiny_gguf(tiny_llama, path, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
     with pytest.raises(ValueError, match="rope_freqs"):
+        LLM(path)
+
+
+def test_split_gguf_is_refused(tiny_llama, tmp_path):
+    path = str(tmp_path / "model-00001-of-00002.gguf")
+    write_tiny_gguf(tiny_llama, path, extra_uint16={"split.count": 2})
+    with pytest.raises(ValueError, match=f"'{path}' is one part of a split GGUF"):
         LLM(path)
 
 

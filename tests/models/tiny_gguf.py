@@ -20,7 +20,7 @@ def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(checkpoint: str, path: str, qtype: str = "F32", arch: str | None = None,
-                    extra_tensors: dict | None = None):
+                    extra_tensors: dict | None = None, extra_uint16: dict | None = None):
     """GGUF of the checkpoint directory at `path`: 2-D weights in `qtype` (F32 or Q8_0), 1-D in
     F32 (as llama.cpp keeps them); `arch` overrides general.architecture."""
     import gguf
@@ -31,6 +31,8 @@ def write_tiny_gguf(checkpoint: str, path: str, qtype: str = "F32", arch: str | 
     writer = gguf.GGUFWriter(path, arch or gguf_arch)
     _write_metadata(writer, config)
     _write_tokenizer(writer, checkpoint)
+    for key, value in (extra_uint16 or {}).items():
+        writer.add_uint16(key, value)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf_arch.upper()],
                                         config["num_hidden_layers"])
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
