@@ -78,6 +78,15 @@ def test_f32_gguf_greedy_equals_transformers_on_the_source_checkpoint(tiny_gguf,
     assert [o["token_ids"] for o in outputs] == expected
 
 
+def test_gguf_under_tensor_parallelism(tiny_llama, prompts, tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(tiny_llama, path)
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
+        outputs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [hf_greedy(tiny_llama, p, NUM_NEW_TOKENS)
+                                                 for p in prompts[:2]]
+
+
 def test_q8_0_gguf_greedy_equals_transformers_on_the_same_file(tiny_llama, prompts, tmp_path):
     from transformers import AutoModelForCausalLM
 
