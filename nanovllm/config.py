@@ -35,6 +35,8 @@ class Config:
     kv_cache_dtype: str = "auto"
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs' text is ""
     expert_parallel: bool = False  # MoE: whole experts per rank instead of slices of each
+    revision: str | None = None  # of a Hugging Face repo id
+    gguf_file: str | None = None  # the .gguf file in a repo or directory
     hf_config: object = field(init=False, repr=False)
 
     @classmethod
@@ -48,6 +50,10 @@ class Config:
 
     def __post_init__(self):
         self._check_types()
+        from nanovllm.utils.hub import resolve_model
+
+        # The local checkpoint: a directory, or a .gguf file.
+        self.model = resolve_model(self.model, self.revision, self.gguf_file)
         self.hf_config = load_hf_config(self.model)
         self._check_ranges()
         self._resolve_auto()
@@ -55,8 +61,11 @@ class Config:
 
     def _check_types(self):
         if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError("model must be a path to a checkpoint directory, "
-                            f"got {type(self.model).__name__}")
+            raise TypeError("model must be a checkpoint directory, a .gguf file or a Hugging Face "
+                            f"repo id, got {type(self.model).__name__}")
+        for name in ("revision", "gguf_file"):
+            if not isinstance(getattr(self, name), str | None):
+                raise TypeError(f"{name} must be a str or None, got {getattr(self, name)!r}")
         self.model = os.path.expanduser(os.fspath(self.model))
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                      "tensor_parallel_size", "kvcache_block_size", "num_kvcache_blocks"):
@@ -235,7 +244,14 @@ def _check_model_features(hf_config, path: str):
 
 
 def load_hf_config(model: str):
-    """Read config.json of a checkpoint directory, with clear errors for what is missing."""
+    """Read config.json of a checkpoint directory (or a GGUF's metadata), with clear errors for what
+    is missing."""
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from nanovllm.utils.gguf_checkpoint import gguf_hf_config
+
+        hf_config = gguf_hf_config(model)
+        _check_model_features(hf_config, model)
+        return hf_config
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model directory {model!r} does not exist")
     path = os.path.join(model, "config.json")

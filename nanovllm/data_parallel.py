@@ -21,8 +21,7 @@ EXIT_SECONDS = 30.0
 
 
 def uses_ray(options: dict) -> bool:
-    """Check `data_parallel_size` and `data_parallel_backend` in the options; True if the engine
-    runs as Ray replicas."""
+    """Check the data-parallel options; True if the engine runs as Ray replicas."""
     size = options.get("data_parallel_size", 1)
     if not isinstance(size, int) or isinstance(size, bool):
         raise TypeError(f"data_parallel_size must be an int, got {size!r}")
@@ -36,8 +35,7 @@ def uses_ray(options: dict) -> bool:
 
 
 def balance(costs: list[int], num_shards: int) -> list[list[int]]:
-    """Split the indices of `costs` into shards of near-equal total cost: the costliest first, each
-    to the lightest shard so far. Each shard lists its indices in input order."""
+    """Indices of `costs` in shards of near-equal cost (costliest first, to the lightest shard)."""
     loads = [(0, shard) for shard in range(num_shards)]
     shards: list[list[int]] = [[] for _ in range(num_shards)]
     for i in sorted(range(len(costs)), key=lambda i: -costs[i]):

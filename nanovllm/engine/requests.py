@@ -84,6 +84,10 @@ def load_tokenizer(config: Config):
     """The checkpoint's tokenizer (a NoTokenizer with skip_tokenizer_init)."""
     if config.skip_tokenizer_init:
         return NoTokenizer()
+    if config.model.endswith(".gguf"):
+        from nanovllm.utils.gguf_checkpoint import gguf_tokenizer
+
+        return gguf_tokenizer(config.model)
     directory = glob.escape(config.model)
     if not any(glob.glob(os.path.join(directory, name)) for name in TOKENIZER_FILES):
         raise FileNotFoundError(

@@ -176,7 +176,7 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
-        """End `seq` (running, waiting or not forked yet) and the samples waiting to fork from it."""
+        """End `seq` (running, waiting or unforked) and the samples waiting to fork from it."""
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason

@@ -44,8 +44,7 @@ PREFILL_TILES = MoeTiles(64, 128, 64, group_m=8, num_warps=8, num_stages=3)
 
 
 def moe_tiles(num_assignments: int, num_experts: int) -> MoeTiles:
-    """By the mean rows an expert gets: 16-row blocks while few (weight-bandwidth bound, most of a
-    block is padding), 32 while some, else 64-row prefill tiles (compute bound)."""
+    """Tiles by the mean rows an expert gets: 16-row blocks while few, 32 while some, else 64."""
     if num_assignments <= DECODE_ROWS_PER_EXPERT * num_experts:
         return DECODE_TILES
     if num_assignments <= MID_ROWS_PER_EXPERT * num_experts:
@@ -64,9 +63,8 @@ def _align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, 
                   num_assignments, num_experts, expert_offset, max_padded,
                   BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
                   SCATTER: tl.constexpr):
-    """One program: count the assignments per local expert, lay out the padded runs, write
-    expert_ids and the sentinel, and leave each run's start in cursor for the scatter; SCATTER
-    (at most CHUNK assignments, decode): the scatter too, after a barrier."""
+    """One program: count assignments per local expert, lay out the padded runs, expert_ids and
+    the sentinel, each run's start in cursor; SCATTER (<= CHUNK assignments): the scatter too."""
     bins = tl.arange(0, BINS)
     counts = tl.zeros([BINS], dtype=tl.int32)
     for start in range(0, num_assignments, CHUNK):

@@ -17,9 +17,8 @@ SHARDS = ("gate", "up", "down")  # gate_proj and up_proj -> gate_up_proj, down_p
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, top_k] in the logits' dtype, expert ids [T, top_k]):
-    softmax in float32 over all experts, the top_k, renormalized to sum 1 if `renormalize`. On
-    CUDA one Triton kernel (int32 ids)."""
+    """router_logits [T, E] -> (weights [T, top_k], expert ids [T, top_k]): float32 softmax, top_k,
+    renormalized if `renormalize` (one Triton kernel on CUDA)."""
     if router_logits.is_cuda and router_logits.stride(1) == 1:
         return topk_softmax(router_logits, top_k, renormalize)
     return select_experts_torch(router_logits, top_k, renormalize)
@@ -37,9 +36,8 @@ def select_experts_torch(router_logits: torch.Tensor, top_k: int,
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] (gate; up), w2 [E, H, I], topk_* [T, k] -> [T, H]: the sum over each
-    token's experts of weight * down(silu(gate) * up). Experts outside [expert_offset,
-    expert_offset + E) add nothing. Loops over experts (a host sync each): the CPU path."""
+    """x [T, H], w13 [E, 2I, H] (gate; up), w2 [E, H, I], topk_* [T, k] -> [T, H], by a loop over
+    the experts held, [expert_offset, expert_offset + E): the CPU path and the reference."""
     out = torch.zeros_like(x)
     local_ids = topk_ids - expert_offset
     for expert in range(w13.shape[0]):
@@ -53,9 +51,8 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 class FusedMoE(nn.Module):
-    """`num_experts` SwiGLU experts of `intermediate_size`, stacked: gate_up_proj
-    [local experts, 2 * local intermediate, hidden], down_proj [local experts, hidden, local
-    intermediate]. Loaded one checkpoint tensor at a time, shard id (expert, "gate"|"up"|"down")."""
+    """Stacked SwiGLU experts: gate_up_proj [E_local, 2 * I_local, hidden], down_proj [E_local,
+    hidden, I_local], loaded per checkpoint tensor (shard id (expert, "gate"|"up"|"down"))."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  expert_parallel: bool = False):

@@ -1,6 +1,5 @@
 """Sleep mode: each storage resized to zero bytes and back, so every tensor and view stays valid;
-`restore` says whether every storage came back at its old address (else graphs are captured
-again)."""
+`restore` says whether every storage came back at its old address."""
 
 import torch
 

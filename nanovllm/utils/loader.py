@@ -1,4 +1,5 @@
-"""Strict safetensors loading: every parameter loaded exactly once, anything else is an error."""
+"""Strict checkpoint loading (safetensors, or GGUF through gguf_checkpoint.py): every parameter
+loaded exactly once, anything else is an error."""
 
 import glob
 import os
@@ -15,7 +16,15 @@ Weights = Iterable[tuple[str, torch.Tensor]]  # (checkpoint / HF name, full unsh
 
 
 def load_model(model: nn.Module, path: str) -> dict[str, tuple[int, ...]]:
-    """Load every tensor of `path`/*.safetensors (all required); returns each name's shape."""
+    """Load every tensor of `path`/*.safetensors or the .gguf file `path` (all required); returns
+    each name's shape."""
+    if path.endswith(".gguf"):
+        from nanovllm.utils.gguf_checkpoint import gguf_weights
+
+        try:
+            return load_weights(model, gguf_weights(path))
+        except ValueError as e:
+            raise ValueError(f"{e} (in {path!r})") from None
     files = _files(path)
     reading = [""]
 
