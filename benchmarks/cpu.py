@@ -1,7 +1,7 @@
 """Batched greedy decode on the CPU: ours against transformers' `generate`, in one process, on a
 random-weight SmolLM2-135M-shaped checkpoint (written once under ~/.cache/nanovllm/).
 
-    python -m benchmarks.cpu                      # 8 prompts x 64 new tokens, float32
+    python -m benchmarks.cpu                      # 8 prompts x 64 new tokens, float32, 5 runs each
     python -m benchmarks.cpu --profile            # then where 8 of our steps' time goes
 """
 
@@ -32,8 +32,8 @@ def prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int) -> li
             for _ in range(num_prompts)]
 
 
-def run_transformers(path: str, batch: list[list[int]], new_tokens: int, repeats: int):
-    """(best seconds of `repeats`, token lists) of a batched greedy `generate`, left-padded."""
+def transformers_runner(path: str, batch: list[list[int]], new_tokens: int):
+    """A function running transformers' batched greedy `generate` (left-padded): the token lists."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -46,37 +46,44 @@ def run_transformers(path: str, batch: list[list[int]], new_tokens: int, repeats
     with torch.inference_mode():
         model.generate(ids[:, -8:], attention_mask=mask[:, -8:], do_sample=False,
                        max_new_tokens=4, pad_token_id=pad)  # warm-up
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = model.generate(ids, **kwargs)
-            seconds.append(time.perf_counter() - start)
-    return min(seconds), out[:, width:].tolist()
+
+    def run() -> list[list[int]]:
+        with torch.inference_mode():
+            return model.generate(ids, **kwargs)[:, width:].tolist()
+    return run
 
 
-def run_ours(path: str, batch: list[list[int]], new_tokens: int, repeats: int, profile: bool):
-    from nanovllm import LLM, SamplingParams
+def our_runner(llm, batch: list[list[int]], new_tokens: int):
+    """A function running our engine on the batch, its prefix cache reset first: the token lists."""
+    from nanovllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    with LLM(path, device="cpu", num_kvcache_blocks=64, max_model_len=1024) as llm:
-        llm.generate([p[:8] for p in batch], SamplingParams(temperature=0, max_tokens=4),
-                     use_tqdm=False)  # warm-up
-        seconds = []
-        for _ in range(repeats):
-            llm.reset_prefix_cache()  # each run prefills its prompts in full, as transformers
-            start = time.perf_counter()
-            outs = llm.generate(batch, params, use_tqdm=False)
-            seconds.append(time.perf_counter() - start)
-        if profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
+    llm.generate([p[:8] for p in batch], SamplingParams(temperature=0, max_tokens=4),
+                 use_tqdm=False)  # warm-up
 
-            short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                llm.generate(batch, short, use_tqdm=False)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
-                                            max_name_column_width=50))
-    return min(seconds), [o["token_ids"] for o in outs]
+    def run() -> list[list[int]]:
+        llm.reset_prefix_cache()  # each run prefills its prompts in full, as transformers
+        return [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)]
+    return run
+
+
+def timed(run) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    tokens = run()
+    return time.perf_counter() - start, tokens
+
+
+def profile(llm, batch: list[list[int]]):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from nanovllm import SamplingParams
+
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(batch, short, use_tqdm=False)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+                                    max_name_column_width=50))
 
 
 def main():
@@ -86,25 +93,40 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-len", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best counts")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
+
+    from nanovllm import LLM
 
     path = checkpoint()
     batch = prompts(args.prompts, args.min_len, args.max_len, SMOLLM2_135M["vocab_size"])
     generated = args.prompts * args.new_tokens
     print(f"{args.prompts} prompts of {args.min_len}-{args.max_len} tokens x {args.new_tokens} "
-          f"new, float32, {torch.get_num_threads()} threads, best of {args.repeats}")
-    theirs = None
-    if not args.skip_transformers:
-        seconds, theirs = run_transformers(path, batch, args.new_tokens, args.repeats)
-        print(f"transformers generate: {generated / seconds:7.1f} tok/s ({seconds:.2f} s)")
-    seconds, ours = run_ours(path, batch, args.new_tokens, args.repeats, args.profile)
-    print(f"nanovllm (cpu):        {generated / seconds:7.1f} tok/s ({seconds:.2f} s)")
-    if theirs is not None:
-        same = sum(a == b for a, b in zip(ours, theirs))
-        print(f"identical tokens: {same} of {args.prompts} prompts")
+          f"new, float32, {torch.get_num_threads()} threads, {args.repeats} runs each, "
+          "alternating")
+    with LLM(path, device="cpu", num_kvcache_blocks=64, max_model_len=1024) as llm:
+        runners = {"nanovllm": our_runner(llm, batch, args.new_tokens)}
+        if not args.skip_transformers:
+            runners["transformers"] = transformers_runner(path, batch, args.new_tokens)
+        seconds = {name: [] for name in runners}
+        tokens = {}
+        for _ in range(args.repeats):  # alternating, so that a slow spell of the machine hits both
+            for name, run in runners.items():
+                elapsed, tokens[name] = timed(run)
+                seconds[name].append(elapsed)
+        for name, times in seconds.items():
+            rates = sorted(generated / t for t in times)
+            print(f"{name:>12}: best {rates[-1]:6.1f} tok/s, median {rates[len(rates) // 2]:6.1f}")
+        if "transformers" in runners:
+            ratios = sorted(a / b for a, b in zip(seconds["transformers"], seconds["nanovllm"]))
+            same = sum(a == b for a, b in zip(tokens["nanovllm"], tokens["transformers"]))
+            print(f"nanovllm / transformers, run by run: {', '.join(f'{r:.2f}' for r in ratios)}"
+                  f" (median {ratios[len(ratios) // 2]:.2f}x); identical tokens: {same} of "
+                  f"{args.prompts} prompts")
+        if args.profile:
+            profile(llm, batch)
 
 
 if __name__ == "__main__":

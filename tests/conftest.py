@@ -1,3 +1,4 @@
+import gc
 import os
 import random
 
@@ -66,6 +67,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cuda)
         if torch.cuda.is_available() and "cpu_suite" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def release_cuda_memory():
+    """After each test, collect what reference cycles hold (engines, models) and return the cached
+    GPU memory, so that the next engine's memory profile sees a clean device."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(autouse=True)

@@ -260,14 +260,16 @@ def test_fp8_layer_triton_matches_torch(is_prefill, cached_lens, capacity):
 
 
 def test_decodes_from_qkv_at_up_to_skinny_rows():
-    """Triton decode steps of up to SKINNY_MAX_ROWS rows, split-K or not, once the pool exists."""
-    def decodes(backend="triton", rows=SKINNY_MAX_ROWS, is_prefill=False, pool=True, split=False):
+    """Triton decode steps of up to SKINNY_MAX_ROWS 16-bit rows, split-K or not, once the pool
+    exists."""
+    def decodes(backend="triton", rows=SKINNY_MAX_ROWS, is_prefill=False, pool=True, split=False,
+                dtype=torch.bfloat16):
         layer = Attention(4, 16, 0.25, 2, backend)
         if pool:
             layer.k_cache = torch.zeros(4, 16, 2, 16)
-        qkv = torch.zeros(rows, 8 * 16)
+        qkv = torch.zeros(rows, 8 * 16, dtype=dtype)
         if split:
-            qkv = SplitKSum(torch.zeros(2, rows, 8 * 16), torch.float32)
+            qkv = SplitKSum(torch.zeros(2, rows, 8 * 16), dtype)
         meta = AttentionMetadata(is_prefill, torch.zeros(rows, dtype=torch.int64),
                                  torch.ones(rows, dtype=torch.int32),
                                  torch.zeros(rows, 1, dtype=torch.int32))
@@ -278,6 +280,7 @@ def test_decodes_from_qkv_at_up_to_skinny_rows():
     assert not decodes(is_prefill=True)
     assert not decodes(backend="torch")
     assert not decodes(pool=False)
+    assert not decodes(dtype=torch.float32) and not decodes(split=True, dtype=torch.float32)
 
 
 def test_workspace_groups():
