@@ -95,6 +95,18 @@ def tiny_model(tmp_path_factory) -> str:
     return path
 
 
+def write_tiny_bf16(path: str, seed: int = 0) -> str:
+    """A bf16 tiny Qwen3 of head_dim 128, the only head size the flash-attn wheel is built for."""
+    write_tiny_qwen3(path, dtype="bfloat16", seed=seed, hidden_size=256, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=128, intermediate_size=512)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tmp_path_factory) -> str:
+    return write_tiny_bf16(str(tmp_path_factory.mktemp("tiny-bf16")))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_untied(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny-qwen3-untied"))

@@ -18,15 +18,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_bf16(tmp_path_factory) -> str:
-    """head_dim 128: the only head size the flash-attn wheel is built for."""
-    path = str(tmp_path_factory.mktemp("tiny-bf16"))
-    write_tiny_qwen3(path, dtype="bfloat16", hidden_size=256, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=128, intermediate_size=512)
-    return path
-
-
-@pytest.fixture(scope="module")
 def tiny_bf16_split_k(tmp_path_factory) -> str:
     """hidden_size 512: decode_from_qkv sums the split-K qkv projection's partials itself."""
     path = str(tmp_path_factory.mktemp("tiny-bf16-split-k"))

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import write_tiny_qwen3
+from tests.conftest import write_tiny_bf16
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -14,20 +14,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_bf16(tmp_path_factory) -> str:
-    """head_dim 128: the only head size the flash-attn wheel is built for."""
-    path = str(tmp_path_factory.mktemp("tiny-bf16"))
-    write_tiny_qwen3(path, dtype="bfloat16", hidden_size=256, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=128, intermediate_size=512)
-    return path
-
-
-@pytest.fixture(scope="module")
 def tiny_bf16_b(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny-bf16-b"))
-    write_tiny_qwen3(path, dtype="bfloat16", seed=7, hidden_size=256, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=128, intermediate_size=512)
-    return path
+    return write_tiny_bf16(str(tmp_path_factory.mktemp("tiny-bf16-b")), seed=7)
 
 
 def tokens(outputs) -> list:
