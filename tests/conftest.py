@@ -172,4 +172,6 @@ def smollm2_dir(smollm2_gguf) -> str:
     """SmolLM2 dequantized by transformers into a float32 safetensors checkpoint (cached)."""
     from nanovllm.utils.real_model import smollm2_safetensors
 
+    pytest.importorskip("gguf", reason="transformers reads the GGUF through the gguf package")
+    pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")
     return smollm2_safetensors("float32")
