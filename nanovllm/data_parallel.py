@@ -16,6 +16,7 @@ from nanovllm.replica import EngineReplica, import_ray
 
 DATA_PARALLEL_BACKENDS = ("auto", "ray")  # auto: Ray for data_parallel_size > 1, else in-process
 POLL_SECONDS = 0.05
+CALLS_PER_REPLICA = 8  # a shard goes as up to this many calls: a death loses only unreturned ones
 PROGRESS_SECONDS = 0.5
 EXIT_SECONDS = 30.0
 
@@ -116,7 +117,7 @@ class DataParallelLLM:
                              f"tensor_parallel_size={options.get('tensor_parallel_size', 1)} "
                              f"need {need} {kind}s; the Ray cluster has {have:g}")
         actor_class = ray.remote(EngineReplica).options(
-            max_concurrency=num_replicas + 2, max_restarts=0, **resources)
+            max_concurrency=CALLS_PER_REPLICA * num_replicas + 2, max_restarts=0, **resources)
         self.replicas = [Replica(actor_class.remote()) for _ in range(num_replicas)]
         refs = [r.actor.start.remote(model, {**options, "device": device}) for r in self.replicas]
         try:
@@ -180,12 +181,13 @@ class DataParallelLLM:
         costs = [len(prompts[i]) + params[i].max_tokens for i in indices]
         calls = []
         for replica, shard in zip(self.replicas, balance(costs, len(self.replicas))):
-            if shard:
-                shard = [indices[k] for k in shard]
+            size = -(-len(shard) // CALLS_PER_REPLICA)  # the calls share the replica's steps
+            for start in range(0, len(shard), size):
+                part = [indices[k] for k in shard[start:start + size]]
                 call_id = next(self._call_ids)
-                ref = replica.actor.generate.remote(call_id, [prompts[i] for i in shard],
-                                                    [params[i] for i in shard])
-                calls.append(_Call(call_id, replica, shard, ref))
+                ref = replica.actor.generate.remote(call_id, [prompts[i] for i in part],
+                                                    [params[i] for i in part])
+                calls.append(_Call(call_id, replica, part, ref))
         return calls
 
     def _run(self, prompts: list, params: list, use_tqdm: bool) -> list[dict]:

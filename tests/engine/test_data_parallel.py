@@ -143,6 +143,36 @@ def test_a_replica_killed_mid_batch(dp_llm, ray_session, uneven_prompts, tiny_mo
     assert outputs == expected
 
 
+def test_a_dead_replica_keeps_its_returned_calls(ray_session, tiny_model, prompts):
+    """A replica killed after its short requests returned: only its long ones run again."""
+    short = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=230, ignore_eos=True)
+    batch = [p[:20] for p in prompts[:8]] * 2
+    params = [short] * 8 + [long] * 8
+    with LLM(tiny_model, **OPTIONS) as llm:
+        expected = llm.generate(batch, params, use_tqdm=False)
+    with LLM(tiny_model, data_parallel_size=2, **OPTIONS) as dp:
+        victim = dp.replicas[0].actor
+
+        def kill_once_short_calls_returned():
+            # The victim's shard: 4 short then 4 long requests, a call each, ids in that order.
+            seen, deadline = set(), time.monotonic() + CALL_SECONDS
+            while time.monotonic() < deadline:
+                running = set(ray_session.get(victim.progress.remote()))
+                seen |= running
+                if len(seen) == 8 and running == set(sorted(seen)[4:]):
+                    break
+                time.sleep(0.005)
+            ray_session.kill(victim)
+
+        killer = threading.Thread(target=kill_once_short_calls_returned, daemon=True)
+        killer.start()
+        outputs = run_bounded(lambda: dp.generate(batch, params, use_tqdm=False))
+        killer.join()
+        assert dp.num_rerun_requests == 4
+        assert outputs == expected
+
+
 def test_every_replica_dead_is_a_clear_error(dp_llm, ray_session):
     for replica in list(dp_llm.replicas):
         ray_session.kill(replica.actor)
