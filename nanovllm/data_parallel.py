@@ -181,7 +181,7 @@ class DataParallelLLM:
         costs = [len(prompts[i]) + params[i].max_tokens for i in indices]
         calls = []
         for replica, shard in zip(self.replicas, balance(costs, len(self.replicas))):
-            size = -(-len(shard) // CALLS_PER_REPLICA)  # the calls share the replica's steps
+            size = -(-len(shard) // CALLS_PER_REPLICA)
             for start in range(0, len(shard), size):
                 part = [indices[k] for k in shard[start:start + size]]
                 call_id = next(self._call_ids)
