@@ -1,6 +1,11 @@
-"""One replica through Ray on the GPU gives the in-process engine's greedy tokens."""
+"""Ray replicas on GPUs: one gives the in-process engine's greedy tokens; of two, one killed
+mid-batch changes no output."""
+
+import threading
+import time
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from tests.conftest import needs_cuda
@@ -19,5 +24,34 @@ def test_one_ray_replica_equals_the_plain_engine_on_the_gpu(tiny_model, prompts)
         with LLM(tiny_model, data_parallel_backend="ray", **OPTIONS) as llm:
             assert llm.replicas[0].limits[2] > 0
             assert llm.generate(prompts, params, use_tqdm=False) == expected
+    finally:
+        ray.shutdown()
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_replica_killed_on_its_gpu(tiny_model, prompts):
+    """Two replicas on two GPUs, one killed mid-batch: every output equals one engine's."""
+    ray = pytest.importorskip("ray")
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    batch = [p[:40] for p in prompts]
+    with LLM(tiny_model, **OPTIONS) as llm:
+        expected = llm.generate(batch, params, use_tqdm=False)
+    ray.init(include_dashboard=False)
+    try:
+        with LLM(tiny_model, data_parallel_size=2, **OPTIONS) as llm:
+            victim = llm.replicas[0].actor
+
+            def kill_once_busy():
+                while not ray.get(victim.progress.remote()):
+                    time.sleep(0.005)
+                ray.kill(victim)
+
+            killer = threading.Thread(target=kill_once_busy, daemon=True)
+            killer.start()
+            outputs = llm.generate(batch, params, use_tqdm=False)
+            killer.join(timeout=60)
+            assert llm.num_rerun_requests > 0 and llm.data_parallel_size == 1
+            assert outputs == expected
     finally:
         ray.shutdown()
