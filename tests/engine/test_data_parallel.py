@@ -23,7 +23,7 @@ def seeded(n: int) -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
-def ray_session():
+def local_ray():
     ray = pytest.importorskip("ray")
     # Logical CPUs: the replicas and Ray Data's actors and tasks must all be schedulable at once.
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -32,7 +32,7 @@ def ray_session():
 
 
 @pytest.fixture(scope="module")
-def dp_llm(ray_session, tiny_model):
+def dp_llm(local_ray, tiny_model):
     llm = LLM(tiny_model, data_parallel_size=2, **OPTIONS)
     yield llm
     llm.exit()
@@ -120,7 +120,7 @@ def test_broadcast_reaches_every_replica(dp_llm):
         dp_llm.stream([[1]], GREEDY)
 
 
-def test_a_replica_killed_mid_batch(dp_llm, ray_session, uneven_prompts, tiny_model):
+def test_a_replica_killed_mid_batch(dp_llm, local_ray, uneven_prompts, tiny_model):
     """The killed replica's requests re-run on the other; every output equals one engine's."""
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     prompts = [p[:40] for p in uneven_prompts]
@@ -130,9 +130,9 @@ def test_a_replica_killed_mid_batch(dp_llm, ray_session, uneven_prompts, tiny_mo
 
     def kill_once_busy():
         deadline = time.monotonic() + CALL_SECONDS
-        while not ray_session.get(victim.progress.remote()) and time.monotonic() < deadline:
+        while not local_ray.get(victim.progress.remote()) and time.monotonic() < deadline:
             time.sleep(0.01)  # until the victim runs its shard
-        ray_session.kill(victim)
+        local_ray.kill(victim)
 
     killer = threading.Thread(target=kill_once_busy, daemon=True)
     killer.start()
@@ -143,7 +143,7 @@ def test_a_replica_killed_mid_batch(dp_llm, ray_session, uneven_prompts, tiny_mo
     assert outputs == expected
 
 
-def test_a_dead_replica_keeps_its_returned_calls(ray_session, tiny_model, prompts):
+def test_a_dead_replica_keeps_its_returned_calls(local_ray, tiny_model, prompts):
     """A replica killed after its short requests returned: only its long ones run again."""
     short = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=230, ignore_eos=True)
@@ -158,12 +158,12 @@ def test_a_dead_replica_keeps_its_returned_calls(ray_session, tiny_model, prompt
             # The victim's shard: 4 short then 4 long requests, a call each, ids in that order.
             seen, deadline = set(), time.monotonic() + CALL_SECONDS
             while time.monotonic() < deadline:
-                running = set(ray_session.get(victim.progress.remote()))
+                running = set(local_ray.get(victim.progress.remote()))
                 seen |= running
                 if len(seen) == 8 and running == set(sorted(seen)[4:]):
                     break
                 time.sleep(0.005)
-            ray_session.kill(victim)
+            local_ray.kill(victim)
 
         killer = threading.Thread(target=kill_once_short_calls_returned, daemon=True)
         killer.start()
@@ -173,14 +173,14 @@ def test_a_dead_replica_keeps_its_returned_calls(ray_session, tiny_model, prompt
         assert outputs == expected
 
 
-def test_every_replica_dead_is_a_clear_error(dp_llm, ray_session):
+def test_every_replica_dead_is_a_clear_error(dp_llm, local_ray):
     for replica in list(dp_llm.replicas):
-        ray_session.kill(replica.actor)
+        local_ray.kill(replica.actor)
     with pytest.raises(RuntimeError, match="every data-parallel replica has died"):
         run_bounded(lambda: dp_llm.generate([[1, 2, 3]], GREEDY))
 
 
-def test_ray_data_helper_equals_generate(ray_session, tiny_model):
+def test_ray_data_helper_equals_generate(local_ray, tiny_model):
     from nanovllm.ray_data import generate_dataset
 
     rows = [{"id": i, "prompt": [(7 * i + j) % 250 + 1 for j in range(1 + i % 13)]}
@@ -188,7 +188,7 @@ def test_ray_data_helper_equals_generate(ray_session, tiny_model):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     with LLM(tiny_model, **OPTIONS) as llm:
         expected = llm.generate([row["prompt"] for row in rows], params, use_tqdm=False)
-    dataset = ray_session.data.from_items(rows)
+    dataset = local_ray.data.from_items(rows)
     out = generate_dataset(dataset, tiny_model, params, num_replicas=2, batch_size=50, **OPTIONS)
     out = sorted(out.take_all(), key=lambda row: row["id"])
     assert [row["id"] for row in out] == list(range(200))

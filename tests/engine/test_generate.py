@@ -27,6 +27,16 @@ class PreemptionCounter:
         scheduler._preempt = counting
 
 
+def greedy_twice_under_preemption(llm, prompts) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of `prompts`, then of them reversed (prefix hits), on an engine whose pool is
+    too small for them all (asserted: some request is preempted)."""
+    counter = PreemptionCounter(llm.scheduler)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    second = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
+    assert counter.count > 0
+    return [o["token_ids"] for o in first], [o["token_ids"] for o in second]
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("case,options", [
     ("plain", {}),

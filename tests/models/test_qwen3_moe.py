@@ -20,7 +20,7 @@ from nanovllm.utils.tiny_model import (
     write_tiny_qwen3_moe,
 )
 from tests.conftest import NUM_NEW_TOKENS, _hf_model, hf_greedy
-from tests.engine.test_generate import PreemptionCounter
+from tests.engine.test_generate import greedy_twice_under_preemption
 from tests.models.test_model import our_logits
 
 pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
@@ -93,12 +93,9 @@ def test_greedy_through_chunking_preemption_and_prefix_hits(tiny_moe, prompts, m
     # prompts; the second pass hits the prefix cache.
     with LLM(tiny_moe, kvcache_block_size=16, num_kvcache_blocks=8,
              max_num_batched_tokens=20) as llm:
-        counter = PreemptionCounter(llm.scheduler)
-        first = llm.generate(prompts, GREEDY, use_tqdm=False)
-        second = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
-    assert counter.count > 0
-    assert [o["token_ids"] for o in first] == moe_reference
-    assert [o["token_ids"] for o in second] == moe_reference[::-1]
+        first, second = greedy_twice_under_preemption(llm, prompts)
+    assert first == moe_reference
+    assert second == moe_reference[::-1]
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])

@@ -21,7 +21,7 @@ from nanovllm.runner.shm_channel import WorkerDiedError
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.tiny_model import write_tiny_qwen3
 from tests.conftest import hf_greedy
-from tests.engine.test_generate import GREEDY, PreemptionCounter
+from tests.engine.test_generate import GREEDY, greedy_twice_under_preemption
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
@@ -34,12 +34,9 @@ def test_tp2_matches_transformers_with_chunking_preemption_and_prefix_hits(
     # prompts; the second pass hits the prefix cache. Each rank has 2 query heads and 1 KV head.
     with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=8,
              max_num_batched_tokens=20, attention_backend=backend) as llm:
-        counter = PreemptionCounter(llm.scheduler)
-        first = llm.generate(prompts, GREEDY, use_tqdm=False)
-        second = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
-    assert counter.count > 0
-    assert [o["token_ids"] for o in first] == hf_reference
-    assert [o["token_ids"] for o in second] == hf_reference[::-1]
+        first, second = greedy_twice_under_preemption(llm, prompts)
+    assert first == hf_reference
+    assert second == hf_reference[::-1]
 
 
 @pytest.fixture(scope="module")
