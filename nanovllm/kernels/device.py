@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 INTERPRETER_SMS = 132
+HOPPER_SHARED_MEMORY = 232448
 
 
 @functools.cache
@@ -15,6 +16,13 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def shared_memory(device: torch.device) -> int:
+    if device.type != "cuda":
+        return HOPPER_SHARED_MEMORY
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 @functools.cache

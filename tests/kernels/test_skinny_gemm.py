@@ -212,8 +212,8 @@ def test_qwen3_shapes_match_cublas(name):
 
 
 @needs_cuda
-def test_swiglu_at_the_qwen3_shape_matches_cublas_and_silu():
-    N, K = QWEN3_06B_SHAPES["gate_up_proj"]
+@pytest.mark.parametrize("N, K", [QWEN3_06B_SHAPES["gate_up_proj"], (24576, 4096)])  # 0.6B, 8B
+def test_swiglu_at_the_qwen3_shapes_matches_cublas_and_silu(N, K):
     for M in range(1, SKINNY_MAX_ROWS + 1):
         x, weight, _ = make_inputs(M, N, K, torch.bfloat16, seed=M)
         gate, up = F.linear(x, weight).chunk(2, dim=-1)
@@ -328,3 +328,12 @@ def test_swiglu_tiles_cover_the_sms():
     assert gated_launch_config(3072, 1024, 132).block_n == 16  # Qwen3-0.6B: 192 programs
     assert gated_launch_config(9728, 2560, 132).block_n == 64  # Qwen3-4B: 152 programs
     assert gated_launch_config(3072, 1024, 132).split_k == 1
+
+
+def test_swiglu_stages_fit_in_shared_memory():
+    """Qwen3-8B's gate/up, 64 weight rows a program: 3 pipelined stages of 32 rows would take
+    240 KiB, past Hopper's 227 KiB, so 17-32 rows run 3 stages (2 pipelined)."""
+    assert [gated_launch_config(12288, 4096, 132, rows, 232448).num_stages
+            for rows in (1, 16, 17, 32)] == [4, 4, 3, 3]
+    assert gated_launch_config(3072, 1024, 132, 32, 232448).num_stages == 4  # 16 rows a program
+    assert gated_launch_config(12288, 4096, 132, 32, 101376).num_stages == 2

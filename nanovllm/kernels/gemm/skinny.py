@@ -12,7 +12,13 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention.split_softmax import SplitSoftmax, load_merged_tile
-from nanovllm.kernels.device import num_sms, pdl_enabled, prefetch_to_l2
+from nanovllm.kernels.device import (
+    HOPPER_SHARED_MEMORY,
+    num_sms,
+    pdl_enabled,
+    prefetch_to_l2,
+    shared_memory,
+)
 from nanovllm.kernels.gemm.split_k import SplitKSum, SwiGLUSplitKSum, reduce_splits, sum_splits
 
 # Most rows of x the skinny GEMM takes; above, the tiled GEMM or cuBLAS (docs/kernels.md).
@@ -205,14 +211,24 @@ def skinny_linear(x: "torch.Tensor | SplitSoftmax | SwiGLUSplitKSum", weight: to
     return y
 
 
-def gated_launch_config(N: int, K: int, sms: int) -> LaunchConfig:
+def gated_launch_config(N: int, K: int, sms: int, rows: int = 1,
+                        smem: int = HOPPER_SHARED_MEMORY) -> LaunchConfig:
     """skinny_swiglu's tiles: K unsplit (the activation needs whole sums), 64 down to 16 weight rows
-    a program until the programs cover the SMs, 256-wide K tiles, 2 warps (docs/kernels.md)."""
+    a program until the programs cover the SMs, 256-wide K tiles, 2 warps, and 4 stages or fewer:
+    Triton's pipeline holds stages - 1 of them in `smem` bytes (docs/kernels.md)."""
     block_n = 64
     while block_n > 16 and triton.cdiv(N, block_n) < sms:
         block_n //= 2
     block_k = min(256, max(16, triton.next_power_of_2(K)))
-    return LaunchConfig(block_n, block_k, 1, num_warps=2, num_stages=4)
+    stage = (2 * block_n + _block_m(rows)) * block_k * 2  # the gate, up and x tiles
+    num_stages = 4
+    while num_stages > 2 and (num_stages - 1) * stage > smem:
+        num_stages -= 1
+    return LaunchConfig(block_n, block_k, 1, num_warps=2, num_stages=num_stages)
+
+
+def _block_m(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))
 
 
 def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -228,7 +244,8 @@ def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             return SwiGLUSplitKSum(skinny_linear(x, weight, defer_sum=True))
     N = weight.shape[0] // 2
     _check_operands(x, weight, bias, 2 * N)
-    config = _overridden(gated_launch_config(N, K, num_sms(x.device)), block_n=block_n,
+    config = _overridden(gated_launch_config(N, K, num_sms(x.device), M, shared_memory(x.device)),
+                         block_n=block_n,
                          block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
@@ -274,7 +291,7 @@ def _launch(x, weight, bias, out, N: int, config: LaunchConfig, k_per_split: int
     _skinny_kernel[(triton.cdiv(N, config.block_n), splits)](
         x_data, weight, bias if bias is not None else weight, out, M, N, K, stride_xm, N,
         k_per_split, x_max, x_sum, heads, split_stride, HAS_BIAS=bias is not None,
-        EVEN_K=K % config.block_k == 0, BLOCK_M=max(16, triton.next_power_of_2(M)),
+        EVEN_K=K % config.block_k == 0, BLOCK_M=_block_m(M),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=splits, PDL=pdl,
         PREFETCH_LINES=prefetch_lines, GATED=gated, num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl, X_SPLITS=x_splits, X_HEAD_DIM=head_dim,
