@@ -3,11 +3,9 @@ tokens. `LLM(model, data_parallel_size=N)` returns one; `import nanovllm` never 
 
 import dataclasses
 import heapq
-import itertools
 import os
 import types
 from dataclasses import dataclass
-from time import perf_counter
 
 from nanovllm.config import Config, load_hf_config
 from nanovllm.engine.requests import as_batch, check_request, load_tokenizer
@@ -16,8 +14,7 @@ from nanovllm.replica import EngineReplica, import_ray
 
 DATA_PARALLEL_BACKENDS = ("auto", "ray")  # auto: Ray for data_parallel_size > 1, else in-process
 POLL_SECONDS = 0.05
-CALLS_PER_REPLICA = 8  # a shard goes as up to this many calls: a death loses only unreturned ones
-PROGRESS_SECONDS = 0.5
+MAX_CONCURRENT_CALLS = 16  # a replica's shards of concurrent generate calls, plus progress
 EXIT_SECONDS = 30.0
 
 
@@ -53,13 +50,11 @@ class Replica:
 
 
 @dataclass(eq=False)
-class _Call:
-    """One shard of a batch running on a replica."""
-
-    call_id: int
+class _Shard:
     replica: Replica
     indices: list[int]
-    ref: object  # the Ray object ref of its outputs
+    outputs: object  # ObjectRefGenerator of (index in the shard, output)
+    pending: set[int]  # shard positions not yet returned
 
 
 def _check_option_names(options: dict):
@@ -83,8 +78,7 @@ def replica_resources(ray, options: dict) -> tuple[str, dict]:
 
 
 class DataParallelLLM:
-    """`data_parallel_size` engines, each an `LLM` in a Ray actor (README.md, "Data parallel on
-    Ray"); a replica that dies has its requests re-run on the others."""
+    """`data_parallel_size` engines, each an `LLM` in a Ray actor (docs/architecture.md)."""
 
     def __init__(self, model: str, data_parallel_size: int = 1, data_parallel_backend: str = "ray",
                  **options):
@@ -99,7 +93,6 @@ class DataParallelLLM:
         skip = options.get("skip_tokenizer_init", False)
         self.tokenizer = load_tokenizer(types.SimpleNamespace(model=model,
                                                               skip_tokenizer_init=skip))
-        self._call_ids = itertools.count()
         self.num_rerun_requests = 0  # requests re-run because their replica died
         if not ray.is_initialized():
             ray.init()
@@ -117,7 +110,7 @@ class DataParallelLLM:
                              f"tensor_parallel_size={options.get('tensor_parallel_size', 1)} "
                              f"need {need} {kind}s; the Ray cluster has {have:g}")
         actor_class = ray.remote(EngineReplica).options(
-            max_concurrency=CALLS_PER_REPLICA * num_replicas + 2, max_restarts=0, **resources)
+            max_concurrency=MAX_CONCURRENT_CALLS, max_restarts=0, **resources)
         self.replicas = [Replica(actor_class.remote()) for _ in range(num_replicas)]
         refs = [r.actor.start.remote(model, {**options, "device": device}) for r in self.replicas]
         try:
@@ -130,14 +123,13 @@ class DataParallelLLM:
     def __getattr__(self, name: str):
         from nanovllm.llm import LLM
 
-        if not name.startswith("_") and hasattr(LLM, name):  # stream, step, add_request, ...
+        if not name.startswith("_") and hasattr(LLM, name):
             raise AttributeError(f"LLM.{name} runs on one engine; with data-parallel replicas use "
                                  "generate or chat")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def data_parallel_size(self) -> int:
-        """The replicas alive."""
         return len(self.replicas)
 
     def _check_alive(self):
@@ -175,64 +167,47 @@ class DataParallelLLM:
         return self.generate(conversation_prompts(self.tokenizer, messages), sampling_params,
                              use_tqdm)
 
-    def _submit(self, indices: list[int], prompts: list, params: list) -> list[_Call]:
+    def _submit(self, indices: list[int], prompts: list, params: list) -> list[_Shard]:
         """Send these requests to the live replicas, split by expected tokens."""
         self._check_alive()
         costs = [len(prompts[i]) + params[i].max_tokens for i in indices]
-        calls = []
+        shards = []
         for replica, shard in zip(self.replicas, balance(costs, len(self.replicas))):
-            size = -(-len(shard) // CALLS_PER_REPLICA)
-            for start in range(0, len(shard), size):
-                part = [indices[k] for k in shard[start:start + size]]
-                call_id = next(self._call_ids)
-                ref = replica.actor.generate.remote(call_id, [prompts[i] for i in part],
-                                                    [params[i] for i in part])
-                calls.append(_Call(call_id, replica, part, ref))
-        return calls
+            if shard:
+                part = [indices[k] for k in shard]
+                outputs = replica.actor.generate.options(num_returns="streaming").remote(
+                    [prompts[i] for i in part], [params[i] for i in part])
+                shards.append(_Shard(replica, part, outputs, set(range(len(part)))))
+        return shards
 
     def _run(self, prompts: list, params: list, use_tqdm: bool) -> list[dict]:
         from tqdm.auto import tqdm
 
         ray = self.ray
         outputs: list = [None] * len(prompts)
-        calls = self._submit(list(range(len(prompts))), prompts, params)
-        pbar = tqdm(total=len(prompts), desc="Generating", unit="req", dynamic_ncols=True,
-                    disable=not use_tqdm)
-        done, last_progress = 0, perf_counter()
-        try:
-            while calls:
-                ready, _ = ray.wait([c.ref for c in calls], num_returns=1, timeout=POLL_SECONDS)
-                for call in [c for c in calls if c.ref in ready]:
-                    calls.remove(call)
+        shards = self._submit(list(range(len(prompts))), prompts, params)
+        with tqdm(total=len(prompts), desc="Generating", unit="req", dynamic_ncols=True,
+                  disable=not use_tqdm) as pbar:
+            while shards:
+                ready, _ = ray.wait([s.outputs for s in shards], num_returns=1,
+                                    timeout=POLL_SECONDS)
+                for shard in [s for s in shards if s.outputs in ready]:
                     try:
-                        results = ray.get(call.ref)
-                    except ray.exceptions.RayActorError:
-                        self._drop(call.replica)
-                        self.num_rerun_requests += len(call.indices)
-                        calls += self._submit(call.indices, prompts, params)
+                        position, output = ray.get(next(shard.outputs))
+                    except StopIteration:
+                        shards.remove(shard)
                         continue
-                    for i, output in zip(call.indices, results):
-                        outputs[i] = output
-                    done += len(results)
-                if use_tqdm and perf_counter() - last_progress >= PROGRESS_SECONDS:
-                    last_progress = perf_counter()
-                    pbar.n = done + self._in_flight_finished(calls)
-                    pbar.refresh()
-        finally:
-            pbar.n = done
-            pbar.close()
+                    except ray.exceptions.RayActorError:
+                        shards.remove(shard)
+                        self._drop(shard.replica)
+                        lost = [shard.indices[k] for k in sorted(shard.pending)]
+                        self.num_rerun_requests += len(lost)
+                        shards += self._submit(lost, prompts, params)
+                        continue
+                    shard.pending.discard(position)
+                    outputs[shard.indices[position]] = output
+                    pbar.update(1)
         return outputs
-
-    def _in_flight_finished(self, calls: list[_Call]) -> int:
-        """Requests finished in calls still running (best effort: 0 for a replica that dies)."""
-        ray = self.ray
-        live = {call.call_id for call in calls}
-        refs = [replica.actor.progress.remote() for replica in self.replicas]
-        try:
-            counts = ray.get(refs, timeout=PROGRESS_SECONDS)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return 0
-        return sum(n for count in counts for call_id, n in count.items() if call_id in live)
 
     def _drop(self, replica: Replica):
         if replica in self.replicas:

@@ -1,7 +1,5 @@
 """EngineReplica: one engine inside a Ray actor, driven by DataParallelLLM (data_parallel.py)."""
 
-import functools
-
 
 def import_ray(what: str):
     """The `ray` module, or an ImportError saying how to install it."""
@@ -13,35 +11,12 @@ def import_ray(what: str):
     return ray
 
 
-class _Counter:
-    """A tqdm stand-in for LLMEngine.generate: keeps `n` (finished requests) in `counts[key]`."""
-
-    def __init__(self, counts: dict, key: int, **tqdm_options):
-        self._counts, self._key = counts, key
-        counts[key] = 0
-
-    @property
-    def n(self) -> int:
-        return self._counts.get(self._key, 0)
-
-    @n.setter
-    def n(self, value: int):
-        self._counts[self._key] = value
-
-    def set_postfix(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
-
-
 class EngineReplica:
-    """The body of a Ray actor holding one `LLM`. Threaded (max_concurrency > 1): calls of
-    several batches share the engine's steps, and `progress` answers while they run."""
+    """A Ray actor holding one `LLM`; threaded, so that concurrent shards share its steps."""
 
     def __init__(self):
         self.llm = None
-        self.counts: dict[int, int] = {}  # call id -> requests of that call finished
+        self.received = self.completed = 0
 
     def start(self, model: str, options: dict) -> tuple[int, int, int]:
         """Build the engine (errors come back as themselves); returns (max_model_len,
@@ -52,16 +27,16 @@ class EngineReplica:
         config = self.llm.config
         return config.max_model_len, config.kvcache_block_size, self.llm.num_kvcache_blocks
 
-    def generate(self, call_id: int, prompts: list[list[int]], sampling_params: list) -> list:
-        """`LLM.generate` of one shard; its progress is `progress()[call_id]` meanwhile."""
-        counter = functools.partial(_Counter, self.counts, call_id)
-        try:
-            return self.llm.generate(prompts, sampling_params, use_tqdm=counter)
-        finally:
-            self.counts.pop(call_id, None)
+    def generate(self, prompts: list[list[int]], sampling_params: list):
+        """Stream a shard: (index in the shard, output) as each prompt completes."""
+        self.received += len(prompts)
+        for completed in self.llm.as_completed(prompts, sampling_params):
+            yield completed
+            self.completed += 1
 
-    def progress(self) -> dict[int, int]:
-        return dict(self.counts)
+    def progress(self) -> tuple[int, int]:
+        """(prompts received, prompts yielded) since start."""
+        return self.received, self.completed
 
     def call(self, method: str, args: tuple, kwargs: dict):
         """Run `LLM.<method>(*args, **kwargs)`: the broadcast of DataParallelLLM."""

@@ -5,9 +5,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from time import perf_counter
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -322,7 +323,7 @@ class LLMEngine:
         rows = zip(seqs, alive, output.logprob_token_ids.tolist(), output.logprobs.tolist())
         for seq, live, ids, logprobs in rows:
             n = seq.sampling_params.logprobs
-            if live and n is not None:  # ids: the sampled token, then the top N of the largest N
+            if live and n is not None:  # the sampled token, then the top N of the largest N
                 top = dict(zip(ids[1:n + 1], logprobs[1:n + 1]))
                 seq.logprobs.append({ids[0]: logprobs[0], **top})
                 seq.cumulative_logprob += logprobs[0]
@@ -348,33 +349,43 @@ class LLMEngine:
                  use_tqdm: bool | Callable[..., tqdm] = True) -> list:
         """Run a batch to completion; per prompt in input order a dict (a list of n for n > 1).
         Other callers' requests share the steps. `use_tqdm` may be a tqdm-like factory."""
+        outputs = dict(self.as_completed(prompts, sampling_params, use_tqdm))
+        return [outputs[i] for i in range(len(outputs))]
+
+    def as_completed(self, prompts, sampling_params,
+                     use_tqdm: bool | Callable[..., tqdm] = False) -> Iterator[tuple[int, Any]]:
+        """generate's outputs as each prompt's completes: (its index, its output). Closing the
+        iterator early aborts the prompts not yet completed."""
         seqs = self.make_sequences(prompts, sampling_params)
         self._add(seqs)
+        groups: list[list[Sequence]] = []
+        for seq in seqs:
+            if seq.sample_index == 0:
+                groups.append([])
+            groups[-1].append(seq)
+        pending = dict(enumerate(groups))
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        pbar = make_bar(total=len(seqs), desc="Generating", unit="req", dynamic_ncols=True,
+        pbar = make_bar(total=len(groups), desc="Generating", unit="req", dynamic_ncols=True,
                         disable=not use_tqdm)
         start = last_refresh = perf_counter()
         num_prefill = num_decode = 0
-        unfinished = seqs
         try:
-            while True:
+            while pending:
                 with self._lock:
-                    unfinished = [seq for seq in unfinished if not seq.is_finished]
-                    if not unfinished:
-                        outputs = group_samples(seqs, [request_output(seq, self.tokenizer)
-                                                       for seq in seqs])
-                        break
-                    result = self.step()
+                    done = [i for i, group in pending.items() if all(s.is_finished for s in group)]
+                    completed = [(i, self._prompt_output(pending.pop(i))) for i in done]
+                    result = self.step() if pending else StepResult([], 0, 0)
+                yield from completed
                 num_prefill += result.num_prefill_tokens
                 num_decode += result.num_decode_tokens
                 now = perf_counter()
-                if use_tqdm and now - last_refresh >= PROGRESS_REFRESH_SECONDS:
+                if use_tqdm and (now - last_refresh >= PROGRESS_REFRESH_SECONDS or not pending):
                     last_refresh = now
-                    pbar.n = len(seqs) - len(unfinished)
+                    pbar.n = len(groups) - len(pending)
                     pbar.set_postfix(throughput_postfix(num_prefill, num_decode, now - start))
         finally:
-            self._abort(unfinished)
-        pbar.n = len(seqs)
-        pbar.set_postfix(throughput_postfix(num_prefill, num_decode, perf_counter() - start))
-        pbar.close()
-        return outputs
+            self._abort([seq for group in pending.values() for seq in group])
+            pbar.close()
+
+    def _prompt_output(self, samples: list[Sequence]):
+        return group_samples(samples, [request_output(seq, self.tokenizer) for seq in samples])[0]

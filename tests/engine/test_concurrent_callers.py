@@ -164,3 +164,27 @@ def test_progress_bar_shows_average_rates_since_the_call_started(llm, monkeypatc
     # from the prefill).
     postfix = ", ".join(f"{kind}={rate}" for kind, rate in rates(8, 4).items())
     assert re.search(" 2/2 .*" + postfix, last), last
+
+
+def test_as_completed_yields_each_prompt_as_it_finishes(llm, prompts, hf_reference):
+    """Shorter requests first, each with its index; n > 1 as the list of its samples."""
+    lengths = [NUM_NEW_TOKENS, 3, 7]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    params[2] = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, n=2)
+    got = bounded(lambda: list(llm.as_completed(prompts[:3], params)))
+    assert [i for i, _ in got] == [1, 2, 0]
+    outputs = dict(got)
+    assert outputs[0]["token_ids"] == hf_reference[0]
+    assert outputs[1]["token_ids"] == hf_reference[1][:3]
+    assert [o["token_ids"] for o in outputs[2]] == [hf_reference[2][:7]] * 2
+    assert_serves_and_is_idle(llm, prompts, hf_reference)
+
+
+def test_closing_as_completed_early_aborts_the_rest(llm, prompts, hf_reference):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 200)]
+    completed = llm.as_completed(prompts[:2], params)
+    index, output = bounded(next, completed)
+    assert (index, output["token_ids"]) == (0, hf_reference[0][:2])
+    completed.close()
+    assert llm.is_finished()
+    assert_serves_and_is_idle(llm, prompts, hf_reference)

@@ -130,7 +130,7 @@ def test_a_replica_killed_mid_batch(dp_llm, local_ray, uneven_prompts, tiny_mode
 
     def kill_once_busy():
         deadline = time.monotonic() + CALL_SECONDS
-        while not local_ray.get(victim.progress.remote()) and time.monotonic() < deadline:
+        while not local_ray.get(victim.progress.remote())[0] and time.monotonic() < deadline:
             time.sleep(0.01)  # until the victim runs its shard
         local_ray.kill(victim)
 
@@ -143,7 +143,7 @@ def test_a_replica_killed_mid_batch(dp_llm, local_ray, uneven_prompts, tiny_mode
     assert outputs == expected
 
 
-def test_a_dead_replica_keeps_its_returned_calls(local_ray, tiny_model, prompts):
+def test_a_dead_replica_keeps_its_returned_outputs(local_ray, tiny_model, prompts):
     """A replica killed after its short requests returned: only its long ones run again."""
     short = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=230, ignore_eos=True)
@@ -154,18 +154,14 @@ def test_a_dead_replica_keeps_its_returned_calls(local_ray, tiny_model, prompts)
     with LLM(tiny_model, data_parallel_size=2, **OPTIONS) as dp:
         victim = dp.replicas[0].actor
 
-        def kill_once_short_calls_returned():
-            # The victim's shard: 4 short then 4 long requests, a call each, ids in that order.
-            seen, deadline = set(), time.monotonic() + CALL_SECONDS
-            while time.monotonic() < deadline:
-                running = set(local_ray.get(victim.progress.remote()))
-                seen |= running
-                if len(seen) == 8 and running == set(sorted(seen)[4:]):
-                    break
+        def kill_once_short_requests_returned():
+            # The victim's shard: 4 short and 4 long requests; the short ones finish first.
+            deadline = time.monotonic() + CALL_SECONDS
+            while local_ray.get(victim.progress.remote())[1] < 4 and time.monotonic() < deadline:
                 time.sleep(0.005)
             local_ray.kill(victim)
 
-        killer = threading.Thread(target=kill_once_short_calls_returned, daemon=True)
+        killer = threading.Thread(target=kill_once_short_requests_returned, daemon=True)
         killer.start()
         outputs = run_bounded(lambda: dp.generate(batch, params, use_tqdm=False))
         killer.join()
