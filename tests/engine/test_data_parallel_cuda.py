@@ -43,7 +43,7 @@ def test_a_replica_killed_on_its_gpu(tiny_model, prompts):
             victim = llm.replicas[0].actor
 
             def kill_once_busy():
-                while not ray.get(victim.progress.remote()):
+                while not ray.get(victim.progress.remote())[0]:
                     time.sleep(0.005)
                 ray.kill(victim)
 
