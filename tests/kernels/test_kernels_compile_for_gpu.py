@@ -254,6 +254,43 @@ def test_every_kernel_compiles_for_sm90():
     assert result.stdout.count(": ok") == len(configurations())
 
 
+
+SWIGLU_SHARED_MEMORY = """
+try:
+    import triton.backends.nvidia.compiler
+except ImportError:
+    print("no Triton CUDA backend")
+    raise SystemExit(0)
+from nanovllm.kernels.device import HOPPER_SHARED_MEMORY
+from nanovllm.kernels.gemm.skinny import _block_m, gated_launch_config
+from tests.kernels.test_kernels_compile_for_gpu import configurations
+from tools.kernel_sass import compile_for_sm90
+module, kernel, pointers, floats, constexprs = configurations()["skinny gemm, gated (SwiGLU)"]
+for N, K, rows in [(12288, 4096, 16), (12288, 4096, 32), (3072, 1024, 32)]:
+    c = gated_launch_config(N, K, 132, rows, HOPPER_SHARED_MEMORY)
+    tiles = dict(BLOCK_M=_block_m(rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k)
+    compiled = compile_for_sm90((module, kernel, pointers, floats, {**constexprs, **tiles}),
+                                c.num_warps, c.num_stages, ("K", "N", "stride_xm", "k_per_split"))
+    print(N, K, rows, c.num_stages, compiled.metadata.shared)
+"""
+
+
+def test_swiglu_stages_fit_in_shared_memory_when_compiled():
+    """skinny_swiglu's launch configs compiled for sm_90 (Qwen3-8B's gate/up at 16 and 32 rows,
+    Qwen3-0.6B's at 32) use what gated_launch_config counts: (stages - 1) stages of the gate, up
+    and x tiles, within the 227 KiB a program may use. Four stages at 32 rows needed 240 KiB."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", SWIGLU_SHARED_MEMORY], env=env,
+                            capture_output=True, text=True, timeout=300)
+    if "no Triton CUDA backend" in result.stdout:
+        pytest.skip("this Triton has no CUDA backend to compile with")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [tuple(map(int, line.split())) for line in result.stdout.splitlines()]
+    assert [(stages, shared) for *_, stages, shared in rows] == [
+        (4, 3 * (2 * 64 + 16) * 256 * 2), (3, 2 * (2 * 64 + 32) * 256 * 2),
+        (4, 3 * (2 * 16 + 32) * 256 * 2)]
+    assert max(shared for *_, shared in rows) <= 232448
+
 if __name__ == "__main__":
     try:
         import triton.backends.nvidia.compiler  # noqa: F401
