@@ -6,10 +6,10 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.tiny_model import write_benchmark_checkpoint, write_tiny_qwen3_moe
+from tests.conftest import needs_cuda
 from tests.models.test_model import our_logits
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = needs_cuda  # conftest adds the `cuda` marker
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 

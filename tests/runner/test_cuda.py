@@ -11,9 +11,9 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.layers.attention import Attention
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.utils.tiny_model import write_tiny_qwen3
+from tests.conftest import needs_cuda
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = needs_cuda  # conftest adds the `cuda` marker
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 

@@ -7,10 +7,10 @@ import torch
 
 from benchmarks.accuracy import chat_prompts, hf_greedy, measure
 from nanovllm import LLM, SamplingParams
+from tests.conftest import needs_cuda
 from tests.models.test_model import our_logits
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = needs_cuda  # conftest adds the `cuda` marker
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # Stated margins against transformers' bf16: prompts identical to float32, mean common prefix.
 BF16_MARGIN = (3, 8.0)

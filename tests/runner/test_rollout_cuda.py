@@ -6,10 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
-from tests.conftest import write_tiny_bf16
+from tests.conftest import needs_cuda, write_tiny_bf16
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = needs_cuda  # conftest adds the `cuda` marker
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
