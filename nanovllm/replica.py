@@ -1,14 +1,11 @@
 """EngineReplica: one engine inside a Ray actor, driven by DataParallelLLM (data_parallel.py)."""
 
 
+from nanovllm.utils import import_extra
+
+
 def import_ray(what: str):
-    """The `ray` module, or an ImportError saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise ImportError(f"{what} needs Ray, which is not installed: "
-                          "pip install 'nanovllm[ray]'") from None
-    return ray
+    return import_extra("ray", "ray", f"{what} needs Ray, which is not installed")
 
 
 class EngineReplica:

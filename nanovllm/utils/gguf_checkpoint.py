@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from nanovllm.config import OPTIONAL_FIELDS, REQUIRED_FIELDS
+from nanovllm.utils import import_extra
 
 # general.architecture -> the HF architecture that runs it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -25,12 +26,8 @@ REQUIRED = object()
 
 
 def _import_gguf(path: str):
-    try:
-        import gguf
-    except ImportError:
-        raise ImportError(f"{path!r} is a GGUF file; reading it needs the gguf package: "
-                          "pip install 'nanovllm[gguf]' (or pip install gguf)") from None
-    return gguf
+    return import_extra("gguf", "gguf",
+                        f"{path!r} is a GGUF file; reading it needs the gguf package")
 
 
 def open_gguf(path: str):
