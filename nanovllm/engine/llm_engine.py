@@ -359,32 +359,38 @@ class LLMEngine:
         seqs = self.make_sequences(prompts, sampling_params)
         self._add(seqs)
         groups: list[list[Sequence]] = []
+        prompt_of: dict[int, int] = {}  # seq_id -> its prompt's index
         for seq in seqs:
             if seq.sample_index == 0:
                 groups.append([])
             groups[-1].append(seq)
-        pending = dict(enumerate(groups))
+            prompt_of[seq.seq_id] = len(groups) - 1
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         pbar = make_bar(total=len(groups), desc="Generating", unit="req", dynamic_ncols=True,
                         disable=not use_tqdm)
         start = last_refresh = perf_counter()
-        num_prefill = num_decode = 0
+        num_prefill = num_decode = num_completed = 0
+        unfinished = seqs
         try:
-            while pending:
+            while num_completed < len(groups):
                 with self._lock:
-                    done = [i for i, group in pending.items() if all(s.is_finished for s in group)]
-                    completed = [(i, self._prompt_output(pending.pop(i))) for i in done]
-                    result = self.step() if pending else StepResult([], 0, 0)
+                    touched = sorted({prompt_of[s.seq_id] for s in unfinished if s.is_finished})
+                    unfinished = [s for s in unfinished if not s.is_finished]
+                    completed = [(i, self._prompt_output(groups[i])) for i in touched
+                                 if all(s.is_finished for s in groups[i])]
+                    result = self.step() if unfinished else StepResult([], 0, 0)
+                num_completed += len(completed)
                 yield from completed
                 num_prefill += result.num_prefill_tokens
                 num_decode += result.num_decode_tokens
                 now = perf_counter()
-                if use_tqdm and (now - last_refresh >= PROGRESS_REFRESH_SECONDS or not pending):
+                if use_tqdm and (now - last_refresh >= PROGRESS_REFRESH_SECONDS
+                                 or num_completed == len(groups)):
                     last_refresh = now
-                    pbar.n = len(groups) - len(pending)
+                    pbar.n = num_completed
                     pbar.set_postfix(throughput_postfix(num_prefill, num_decode, now - start))
         finally:
-            self._abort([seq for group in pending.values() for seq in group])
+            self._abort(unfinished)
             pbar.close()
 
     def _prompt_output(self, samples: list[Sequence]):
