@@ -1,6 +1,5 @@
 """EngineReplica: one engine inside a Ray actor, driven by DataParallelLLM (data_parallel.py)."""
 
-
 from nanovllm.utils import import_extra
 
 

@@ -20,9 +20,8 @@ from nanovllm.engine.requests import (
     as_batch,
     check_request,
     eos_token_ids,
-    group_samples,
     load_tokenizer,
-    request_output,
+    prompt_output,
 )
 from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -359,7 +358,7 @@ class LLMEngine:
         seqs = self.make_sequences(prompts, sampling_params)
         self._add(seqs)
         groups: list[list[Sequence]] = []
-        prompt_of: dict[int, int] = {}  # seq_id -> its prompt's index
+        prompt_of: dict[int, int] = {}
         for seq in seqs:
             if seq.sample_index == 0:
                 groups.append([])
@@ -376,7 +375,7 @@ class LLMEngine:
                 with self._lock:
                     touched = sorted({prompt_of[s.seq_id] for s in unfinished if s.is_finished})
                     unfinished = [s for s in unfinished if not s.is_finished]
-                    completed = [(i, self._prompt_output(groups[i])) for i in touched
+                    completed = [(i, prompt_output(groups[i], self.tokenizer)) for i in touched
                                  if all(s.is_finished for s in groups[i])]
                     result = self.step() if unfinished else StepResult([], 0, 0)
                 num_completed += len(completed)
@@ -392,6 +391,3 @@ class LLMEngine:
         finally:
             self._abort(unfinished)
             pbar.close()
-
-    def _prompt_output(self, samples: list[Sequence]):
-        return group_samples(samples, [request_output(seq, self.tokenizer) for seq in samples])[0]

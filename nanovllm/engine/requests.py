@@ -140,14 +140,7 @@ def request_output(seq: Sequence, tokenizer) -> dict:
     return output
 
 
-def group_samples(seqs: list[Sequence], outputs: list[dict]) -> list:
-    """Per prompt its output, or with n > 1 the list of its n samples' outputs in order."""
-    grouped = []
-    for seq, output in zip(seqs, outputs, strict=True):
-        if seq.sampling_params.n == 1:
-            grouped.append(output)
-        elif seq.sample_index == 0:
-            grouped.append([output])
-        else:
-            grouped[-1].append(output)
-    return grouped
+def prompt_output(samples: list[Sequence], tokenizer) -> dict | list[dict]:
+    """A prompt's output: its sample's dict, or with n > 1 its n samples' dicts in order."""
+    outputs = [request_output(seq, tokenizer) for seq in samples]
+    return outputs if samples[0].sampling_params.n > 1 else outputs[0]

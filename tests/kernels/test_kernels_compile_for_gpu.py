@@ -254,7 +254,6 @@ def test_every_kernel_compiles_for_sm90():
     assert result.stdout.count(": ok") == len(configurations())
 
 
-
 SWIGLU_SHARED_MEMORY = """
 try:
     import triton.backends.nvidia.compiler
@@ -278,7 +277,7 @@ for N, K, rows in [(12288, 4096, 16), (12288, 4096, 32), (3072, 1024, 32)]:
 def test_swiglu_stages_fit_in_shared_memory_when_compiled():
     """skinny_swiglu's launch configs compiled for sm_90 (Qwen3-8B's gate/up at 16 and 32 rows,
     Qwen3-0.6B's at 32) use what gated_launch_config counts: (stages - 1) stages of the gate, up
-    and x tiles, within the 227 KiB a program may use. Four stages at 32 rows needed 240 KiB."""
+    and x tiles, within the 227 KiB a program may use (4 stages at 32 rows would take 240 KiB)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", SWIGLU_SHARED_MEMORY], env=env,
                             capture_output=True, text=True, timeout=300)
@@ -290,6 +289,7 @@ def test_swiglu_stages_fit_in_shared_memory_when_compiled():
         (4, 3 * (2 * 64 + 16) * 256 * 2), (3, 2 * (2 * 64 + 32) * 256 * 2),
         (4, 3 * (2 * 16 + 32) * 256 * 2)]
     assert max(shared for *_, shared in rows) <= 232448
+
 
 if __name__ == "__main__":
     try:

@@ -244,9 +244,9 @@ def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             return SwiGLUSplitKSum(skinny_linear(x, weight, defer_sum=True))
     N = weight.shape[0] // 2
     _check_operands(x, weight, bias, 2 * N)
-    config = _overridden(gated_launch_config(N, K, num_sms(x.device), M, shared_memory(x.device)),
-                         block_n=block_n,
-                         block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    config = gated_launch_config(N, K, num_sms(x.device), M, shared_memory(x.device))
+    config = _overridden(config, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                         num_stages=num_stages)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         k_per_split = triton.cdiv(K, config.block_k) * config.block_k
