@@ -27,7 +27,7 @@ from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput
 from nanovllm.runner.step_inputs import StepInputs
-from nanovllm.utils.tiny_model import (
+from nanovllm.testing.tiny_model import (
     LLAMA_3_2_1B,
     QWEN2_5_0_5B,
     QWEN3_0_6B,

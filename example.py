@@ -12,9 +12,9 @@ import os
 import tempfile
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.hub import resolve_model
-from nanovllm.utils.real_model import smollm2_gguf
-from nanovllm.utils.tiny_model import write_tiny_qwen3
+from nanovllm.checkpoint.hub import resolve_model
+from nanovllm.testing.real_model import smollm2_gguf
+from nanovllm.testing.tiny_model import write_tiny_qwen3
 
 LOCAL_QWEN3 = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 HUB_QWEN3 = "Qwen/Qwen3-0.6B"

@@ -86,7 +86,7 @@ def measure(path: str, num_prompts: int = 20, num_tokens: int = 64) -> dict[str,
 
 
 def main():
-    from nanovllm.utils.real_model import smollm2_safetensors
+    from nanovllm.testing.real_model import smollm2_safetensors
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=20)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from nanovllm.utils.tiny_model import SMOLLM2_135M, write_benchmark_checkpoint
+from nanovllm.testing.tiny_model import SMOLLM2_135M, write_benchmark_checkpoint
 
 CHECKPOINT = os.path.expanduser("~/.cache/nanovllm/smollm2-135m-random")
 

@@ -11,10 +11,10 @@ import torch
 
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.runner.sampling_metadata import build_sampling_metadata
 from nanovllm.runner.step_inputs import StepInputs
-from nanovllm.sampling.metadata import build_sampling_metadata
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_model import QWEN3_0_6B
+from nanovllm.testing.tiny_model import QWEN3_0_6B
 
 
 def prefilled_scheduler(batch: int, prompt_len: int, steps: int, rng) -> Scheduler:

@@ -18,7 +18,7 @@ import torch
 from benchmarks.gpu_timing import bench, copy_bandwidth, emit, save_report
 from nanovllm.kernels.moe import MoeTiles, fused_moe, moe_tiles
 from nanovllm.layers.fused_moe import moe_reference, select_experts
-from nanovllm.utils.tiny_model import QWEN3_30B_A3B as ARCH
+from nanovllm.testing.tiny_model import QWEN3_30B_A3B as ARCH
 
 E, TOP_K = ARCH["num_experts"], ARCH["num_experts_per_tok"]
 H, INTER = ARCH["hidden_size"], ARCH["moe_intermediate_size"]

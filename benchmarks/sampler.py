@@ -12,9 +12,10 @@ import torch
 
 from benchmarks.gpu_timing import bench, emit, save_report
 from nanovllm.engine.sequence import Sequence
-from nanovllm.sampling.graphs import SamplerGraphs
-from nanovllm.sampling.metadata import build_sampling_metadata
-from nanovllm.sampling.sampler import Sampler, sample_triton
+from nanovllm.kernels.sampling import sample_triton
+from nanovllm.runner.sampler_graphs import SamplerGraphs
+from nanovllm.runner.sampling_metadata import build_sampling_metadata
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 
 VOCAB = 151936

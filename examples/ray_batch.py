@@ -15,7 +15,7 @@ import ray
 
 from nanovllm import SamplingParams
 from nanovllm.ray_data import generate_dataset
-from nanovllm.utils.tiny_model import write_tiny_qwen3
+from nanovllm.testing.tiny_model import write_tiny_qwen3
 
 
 def tiny_model() -> str:

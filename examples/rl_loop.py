@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import write_tiny_qwen3
+from nanovllm.testing.tiny_model import write_tiny_qwen3
 
 TARGET = 42  # the token the reward asks for
 

@@ -4,9 +4,9 @@ from itertools import accumulate
 
 import torch
 
+from nanovllm.checkpoint.loader import check_weights, checkpoint_specs, checkpoint_tensors
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.loader import check_weights, checkpoint_specs, checkpoint_tensors
 
 
 @dataclass(slots=True)
@@ -50,10 +50,10 @@ class LLM(LLMEngine):
     """`LLM(model, **options).generate(prompts, sampling_params)`; a DataParallelLLM on Ray."""
 
     def __new__(cls, *args, **options):
-        from nanovllm.data_parallel import uses_ray
+        from nanovllm.ray.data_parallel import uses_ray
 
         if uses_ray(options):
-            from nanovllm.data_parallel import DataParallelLLM
+            from nanovllm.ray.data_parallel import DataParallelLLM
 
             return DataParallelLLM(*args, **options)
         return super().__new__(cls)

@@ -3,8 +3,8 @@
 
 import numpy as np
 
-from nanovllm.data_parallel import replica_resources
-from nanovllm.replica import import_ray
+from nanovllm.ray.data_parallel import replica_resources
+from nanovllm.ray.replica import import_ray
 
 
 class LLMPredictor:

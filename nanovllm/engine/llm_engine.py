@@ -14,15 +14,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
+from nanovllm.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.requests import (
-    as_batch,
-    check_request,
-    eos_token_ids,
-    load_tokenizer,
-    prompt_output,
-)
+from nanovllm.engine.requests import as_batch, check_request, prompt_output
 from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput, free_port, run_worker

@@ -5,7 +5,7 @@ import math
 import torch
 from torch import nn
 
-from nanovllm.config import SUPPORTED_ROPE_TYPES, rope_parameters
+from nanovllm.checkpoint.hf_config import SUPPORTED_ROPE_TYPES, rope_parameters
 
 
 def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.config import head_dim
+from nanovllm.checkpoint.hf_config import head_dim
 from nanovllm.kernels.gemm.skinny import skinny_swiglu
 from nanovllm.kernels.gemm.split_k import SplitKSum
 from nanovllm.kernels.qk_norm_rope import V_STORE_TILE, NormRopeInputs, qk_norm_rope

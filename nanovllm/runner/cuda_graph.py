@@ -6,7 +6,7 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata
 from nanovllm.runner.host_to_device import ALIGNMENT, pinned, to_device_packed
-from nanovllm.sampling.metadata import only_temperature
+from nanovllm.runner.sampling_metadata import only_temperature
 from nanovllm.sampling.sampler import Sampler, SamplingMetadata
 
 

@@ -11,18 +11,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config, head_dim
+from nanovllm.checkpoint.hf_config import head_dim
+from nanovllm.checkpoint.loader import load_model, load_weights
+from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels.attention.kv_cache import bytes_per_token
 from nanovllm.models import model_class
 from nanovllm.runner.cuda_graph import DecodeGraphs
+from nanovllm.runner.sampler_graphs import SamplerGraphs
+from nanovllm.runner.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
 from nanovllm.runner.shm_channel import ShmChannel, WorkerEnd
 from nanovllm.runner.sleep import Offloaded
 from nanovllm.runner.step_inputs import StepInputs
-from nanovllm.sampling.graphs import SamplerGraphs
-from nanovllm.sampling.metadata import ALL_CONTROLS, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler, SamplerOutput
-from nanovllm.utils.loader import load_model, load_weights
 
 CPU_KV_CACHE_BYTES = 2 << 30  # KV pool budget on CPU when num_kvcache_blocks is not given
 WORKER_CHECK_SECONDS = 0.01  # how often rank 0, waiting for a step, checks that the workers live

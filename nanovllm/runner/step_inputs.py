@@ -8,7 +8,7 @@ from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.layers.attention import AttentionMetadata, dequantizing_pays, workspace_groups
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.host_to_device import pinned, to_device_packed
-from nanovllm.sampling.metadata import noise_seed
+from nanovllm.runner.sampling_metadata import noise_seed
 
 
 class StepInputs:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm.config import Config
-from nanovllm.utils.tiny_model import write_tiny_qwen3
+from nanovllm.testing.tiny_model import write_tiny_qwen3
 
 HOPPER, ADA, AMPERE = (9, 0), (8, 9), (8, 0)
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.data_parallel import balance, uses_ray
+from nanovllm.ray.data_parallel import balance, uses_ray
 
 pytestmark = pytest.mark.cpu_suite  # CPU actors, exact against one CPU engine
 

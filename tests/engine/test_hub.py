@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.checkpoint import hub
+from nanovllm.checkpoint.hub import ENGINE_FILES, ModelNotFoundError, resolve_model
 from nanovllm.config import Config
-from nanovllm.utils import hub
-from nanovllm.utils.hub import ENGINE_FILES, ModelNotFoundError, resolve_model
 from tests.conftest import NUM_NEW_TOKENS
 
 MAIN_SHA = "a" * 40

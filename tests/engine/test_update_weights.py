@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import write_tiny_qwen3
+from nanovllm.testing.tiny_model import write_tiny_qwen3
 from tests.conftest import _hf_model, hf_greedy
 
 pytestmark = pytest.mark.cpu_suite

@@ -14,7 +14,7 @@ from nanovllm.kernels.gemm.split_k import SplitKSum
 from nanovllm.kernels.qk_norm_rope import V_STORE_TILE, _heads_per_program, qk_norm_rope
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rope, default_inv_freq
-from nanovllm.utils.tiny_model import write_tiny_llama
+from nanovllm.testing.tiny_model import write_tiny_llama
 from tests.conftest import needs_cuda
 
 MAX_POSITION = 40960

@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.config import Config, head_dim
-from nanovllm.utils import gguf_checkpoint
-from nanovllm.utils.gguf_checkpoint import gguf_weights
-from nanovllm.utils.tiny_model import write_tiny_llama, write_tiny_qwen2, write_tiny_qwen3
+from nanovllm.checkpoint import gguf as gguf_checkpoint
+from nanovllm.checkpoint.gguf import gguf_weights
+from nanovllm.checkpoint.hf_config import head_dim
+from nanovllm.config import Config
+from nanovllm.testing.tiny_model import write_tiny_llama, write_tiny_qwen2, write_tiny_qwen3
 from tests.conftest import NUM_NEW_TOKENS, hf_greedy
 from tests.models.tiny_gguf import write_tiny_gguf
 

@@ -9,7 +9,7 @@ from nanovllm.config import Config
 from nanovllm.kernels.attention import kv_cache
 from nanovllm.layers import attention
 from nanovllm.runner import model_runner
-from nanovllm.utils.tiny_model import write_tiny_qwen3
+from nanovllm.testing.tiny_model import write_tiny_qwen3
 from tests.conftest import NUM_NEW_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=20)

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.checkpoint.loader import load_model
 from nanovllm.config import Config
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
-from nanovllm.utils.loader import load_model
-from nanovllm.utils.tiny_model import (
+from nanovllm.testing.tiny_model import (
     QWEN3_30B_A3B,
     tiny_qwen3_arch,
     write_benchmark_checkpoint,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import write_benchmark_checkpoint, write_tiny_qwen3_moe
+from nanovllm.testing.tiny_model import write_benchmark_checkpoint, write_tiny_qwen3_moe
 from tests.conftest import needs_cuda
 from tests.models.test_model import our_logits
 
@@ -55,7 +55,7 @@ def test_bf16_logits_as_close_to_float32_as_transformers_bf16(tiny_moe_bf16):
 def test_random_30b_a3b_layer_shape_runs(tmp_path):
     """One layer of Qwen3-30B-A3B's shape (a small vocabulary), from the benchmark writer's
     per-expert tensors, through prefill and the decode graphs."""
-    from nanovllm.utils.tiny_model import QWEN3_30B_A3B
+    from nanovllm.testing.tiny_model import QWEN3_30B_A3B
 
     write_benchmark_checkpoint(str(tmp_path), dict(QWEN3_30B_A3B, num_hidden_layers=1,
                                                    vocab_size=1024))

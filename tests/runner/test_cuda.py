@@ -10,7 +10,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.attention import Attention
 from nanovllm.runner.cuda_graph import DecodeGraphs
-from nanovllm.utils.tiny_model import write_tiny_qwen3
+from nanovllm.testing.tiny_model import write_tiny_qwen3
 from tests.conftest import needs_cuda
 
 pytestmark = needs_cuda  # conftest adds the `cuda` marker

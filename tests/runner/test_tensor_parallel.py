@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.checkpoint.loader import load_model
 from nanovllm.config import Config
 from nanovllm.engine import llm_engine
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.runner.shm_channel import WorkerDiedError
-from nanovllm.utils.loader import load_model
-from nanovllm.utils.tiny_model import write_tiny_qwen3
+from nanovllm.testing.tiny_model import write_tiny_qwen3
 from tests.conftest import hf_greedy
 from tests.engine.test_generate import GREEDY, greedy_twice_under_preemption
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from nanovllm.kernels import device as device_facts
-from nanovllm.sampling.sampler import sample_torch, sample_triton
+from nanovllm.kernels.sampling import sample_triton
+from nanovllm.sampling.sampler import sample_torch
 from tests.conftest import needs_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,7 +100,7 @@ def test_default_split_draws_the_one_pass_tokens_on_the_real_vocab(num_rows):
 @needs_cuda
 def test_a_new_seed_compiles_no_new_kernel():
     """The seed changes every step: seeds of every divisibility share one compiled kernel."""
-    from nanovllm.sampling.sampler import _sample_kernel
+    from nanovllm.kernels.sampling import _sample_kernel
 
     logits = torch.randn(4, 5000, device="cuda")
     temperatures = torch.ones(4, device="cuda")

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.sampling import filters as sampling_filters
+from nanovllm.kernels import sampling_filters
+from nanovllm.kernels.sampling import sample_triton
+from nanovllm.runner.sampler_graphs import SamplerGraphs
+from nanovllm.runner.sampling_metadata import build_sampling_metadata, only_temperature
 from nanovllm.sampling import sampler as sampler_module
 from nanovllm.sampling.filters import filter_thresholds
-from nanovllm.sampling.graphs import SamplerGraphs
 from nanovllm.sampling.logits_processor import apply_penalties
-from nanovllm.sampling.metadata import build_sampling_metadata, only_temperature
-from nanovllm.sampling.sampler import Sampler, SamplingMetadata, sample_triton
+from nanovllm.sampling.sampler import Sampler, SamplingMetadata
 from nanovllm.sampling_params import SamplingParams
 
 # The torch reference, and the Triton kernels (on the GPU, or under Triton's interpreter).

@@ -1,6 +1,6 @@
 """EngineReplica: one engine inside a Ray actor, driven by DataParallelLLM (data_parallel.py)."""
 
-from nanovllm.utils import import_extra
+from nanovllm.extras import import_extra
 
 
 def import_ray(what: str):

@@ -19,7 +19,7 @@ def load_model(model: nn.Module, path: str) -> dict[str, tuple[int, ...]]:
     """Load every tensor of `path`/*.safetensors or the .gguf file `path` (all required); returns
     each name's shape."""
     if path.endswith(".gguf"):
-        from nanovllm.utils.gguf_checkpoint import gguf_weights
+        from nanovllm.checkpoint.gguf import gguf_weights
 
         try:
             return load_weights(model, gguf_weights(path))

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from nanovllm.config import OPTIONAL_FIELDS, REQUIRED_FIELDS
-from nanovllm.utils import import_extra
+from nanovllm.extras import import_extra
 
 # general.architecture -> the HF architecture that runs it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -97,11 +96,6 @@ def gguf_config_fields(path: str) -> dict:
         token = metadata(reader, f"tokenizer.ggml.{name}_token_id", path, None)
         if token is not None:
             fields["pad_token_id" if name == "padding" else f"{name}_token_id"] = token
-    for name in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS):
-        value = fields[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} from the metadata of {path!r} must be a "
-                             "positive int")
     return fields
 
 
@@ -121,13 +115,6 @@ def _reject_rope_scaling(reader, arch: str, names: set, path: str):
         raise ValueError(f"{path!r} rotates {dims} of {head_dim} head dimensions: partial "
                          "rotary embeddings are not supported")
 
-
-def gguf_hf_config(path: str):
-    """The transformers config of the model in a GGUF file."""
-    from transformers import AutoConfig
-
-    fields = gguf_config_fields(path)
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -7,7 +7,7 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.cuda_graph import batch_buckets, smallest_bucket
 from nanovllm.runner.host_to_device import ToDevice
-from nanovllm.sampling.metadata import InflightTokens, build_sampling_metadata
+from nanovllm.runner.sampling_metadata import InflightTokens, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 Captured = tuple[torch.cuda.CUDAGraph, SamplingMetadata, SamplerOutput]

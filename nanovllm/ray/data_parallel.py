@@ -7,10 +7,12 @@ import os
 import types
 from dataclasses import dataclass
 
-from nanovllm.config import Config, load_hf_config
-from nanovllm.engine.requests import as_batch, check_request, load_tokenizer
+from nanovllm.checkpoint.hf_config import load_hf_config
+from nanovllm.checkpoint.tokenizer import load_tokenizer
+from nanovllm.config import Config
+from nanovllm.engine.requests import as_batch, check_request
 from nanovllm.engine.scheduler import check_fits
-from nanovllm.replica import EngineReplica, import_ray
+from nanovllm.ray.replica import EngineReplica, import_ray
 
 DATA_PARALLEL_BACKENDS = ("auto", "ray")  # auto: Ray for data_parallel_size > 1, else in-process
 POLL_SECONDS = 0.05
@@ -89,7 +91,9 @@ class DataParallelLLM:
         self.replicas: list[Replica] = []
         self._exited = False
         model = os.path.expanduser(os.fspath(model))
-        self.vocab_size = load_hf_config(model).vocab_size
+        from nanovllm.models import MODELS
+
+        self.vocab_size = load_hf_config(model, MODELS).vocab_size
         skip = options.get("skip_tokenizer_init", False)
         self.tokenizer = load_tokenizer(types.SimpleNamespace(model=model,
                                                               skip_tokenizer_init=skip))
