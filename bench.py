@@ -101,8 +101,7 @@ def time_by_phase(llm: LLM, prompts, params):
     """One more run, step by step: its wall time by phase. A step() call launches step N and waits
     for step N-1, so its time is charged to the step it completed."""
     llm.reset_prefix_cache()
-    for seq in llm.make_sequences(prompts, params):
-        llm.scheduler.add(seq)
+    llm.llm_engine.add(llm.make_requests(prompts, params))
     phases: dict[str, list[float]] = {}  # phase -> [steps, seconds, tokens]
     start = time.perf_counter()
     while not llm.is_finished():
@@ -174,7 +173,7 @@ def host_time_by_part():
 def stream_requests(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int,
                     every_control: bool) -> tuple[list[list[int]], list[SamplingParams]]:
     """num_streams random prompts, each sampling new_tokens at temperature 0.6 (ignore_eos)."""
-    vocab = min(10000, llm.config.hf_config.vocab_size - 1)
+    vocab = min(10000, llm.llm_engine.config.hf_config.vocab_size - 1)
     controls = EVERY_CONTROL if every_control else {}
     prompts = [[randint(0, vocab) for _ in range(prompt_len)] for _ in range(num_streams)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=new_tokens, **controls)
@@ -185,10 +184,9 @@ def stream_requests(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int
 def time_stream_run(llm: LLM, prompts, params) -> tuple[float, float, float, dict]:
     """(start, first, end, host seconds by part): `first` once every stream's first token is on
     the host (a step() call returns before the GPU finishes its step)."""
-    seqs = llm.make_sequences(prompts, params)
+    requests = llm.make_requests(prompts, params)
     start = time.perf_counter()
-    for seq in seqs:
-        llm.scheduler.add(seq)
+    seqs = llm.llm_engine.add(requests)
     while any(seq.num_output_tokens == 0 for seq in seqs):
         llm.step()
     first = time.perf_counter()
@@ -294,8 +292,9 @@ def main():
              attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
              enforce_eager=args.enforce_eager, expert_parallel=args.expert_parallel,
              gpu_memory_utilization=args.gpu_memory_utilization) as llm:
-        print(f"KV pool: {llm.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} "
-              f"tokens ({args.kv_cache_dtype}), backend {llm.config.attention_backend}, "
+        engine = llm.llm_engine
+        print(f"KV pool: {engine.num_kvcache_blocks} blocks of {engine.config.kvcache_block_size} "
+              f"tokens ({args.kv_cache_dtype}), backend {engine.config.attention_backend}, "
               f"tp {args.tensor_parallel_size}")
         run(llm, args)
         if torch.cuda.is_available():

@@ -81,13 +81,14 @@ def profile_gpu(llm: LLM, steps: int):
         wall = time.perf_counter() - start
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events)
-    print(f"decode at batch {len(llm.scheduler.running)}: {wall / steps * 1e3:.2f} ms/step wall, "
+    batch = len(llm.llm_engine.scheduler.running)
+    print(f"decode at batch {batch}: {wall / steps * 1e3:.2f} ms/step wall, "
           f"GPU busy {gpu_us / steps / 1e3:.2f} ms/step ({gpu_us / 1e6 / wall:.0%})")
     if pdl_enabled(torch.device("cuda")):
         print("(programmatic dependent launch: a kernel's time includes its wait for the one "
               "before, so busy time may exceed wall time; NANOVLLM_PDL=0 gives additive times)")
     print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
-    print_time_added(prof.events(), steps, layers=llm.config.hf_config.num_hidden_layers)
+    print_time_added(prof.events(), steps, layers=llm.llm_engine.config.hf_config.num_hidden_layers)
 
 
 def profile_decode(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
@@ -96,7 +97,7 @@ def profile_decode(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
     prefill and `warmup` steps."""
     for prompt, sp in zip(prompts, params):
         llm.add_request(prompt, sp)
-    while llm.scheduler.waiting:
+    while llm.llm_engine.scheduler.waiting:
         llm.step()
     for _ in range(warmup):
         llm.step()
@@ -117,8 +118,7 @@ def profile_prefill(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
     from torch.profiler import ProfilerActivity, profile
 
     llm.reset_prefix_cache()
-    for seq in llm.make_sequences(prompts, params):
-        llm.scheduler.add(seq)
+    llm.llm_engine.add(llm.make_requests(prompts, params))
     llm.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

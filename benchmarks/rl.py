@@ -47,9 +47,9 @@ def state_dict(path: str, device: str) -> dict[str, torch.Tensor]:
 
 def wake_up(llm: LLM) -> tuple[float, str]:
     """wake_up's seconds, and whether the CUDA graphs were kept or captured again."""
-    graphs = llm.model_runner.graphs
+    graphs = llm.llm_engine.model_runner.graphs
     seconds = timed(llm.wake_up)
-    return seconds, ("graphs kept" if llm.model_runner.graphs is graphs
+    return seconds, ("graphs kept" if llm.llm_engine.model_runner.graphs is graphs
                      else "graphs captured again")
 
 
@@ -82,7 +82,7 @@ def bench_update(llm: LLM, path: str, cpu_weights: dict[str, torch.Tensor]):
 
 def bench_n_samples(llm: LLM, num_prompts: int, n: int, prompt_len: int, max_tokens: int):
     rng = random.Random(0)
-    vocab = min(10000, llm.config.hf_config.vocab_size)
+    vocab = min(10000, llm.llm_engine.config.hf_config.vocab_size)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
     params = dict(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -91,11 +91,11 @@ def bench_n_samples(llm: LLM, num_prompts: int, n: int, prompt_len: int, max_tok
              SamplingParams(**params))]
     for name, batch, sampling in runs:
         llm.reset_prefix_cache()
-        prefilled = llm.num_prefilled_tokens
+        prefilled = llm.llm_engine.num_prefilled_tokens
         seconds = timed(lambda b=batch, s=sampling: llm.generate(b, s, use_tqdm=False))
         tokens = num_prompts * n * max_tokens
         print(f"  {name:>22}: {seconds:6.2f} s, {tokens / seconds:8,.0f} output tok/s, "
-              f"prefilled {llm.num_prefilled_tokens - prefilled:,} tokens")
+              f"prefilled {llm.llm_engine.num_prefilled_tokens - prefilled:,} tokens")
 
 
 def main():

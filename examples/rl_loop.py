@@ -63,7 +63,7 @@ def main():
         for step in range(args.steps):
             start = time.perf_counter()
             prompts = [[rng.randrange(100, 300) for _ in range(8)] for _ in range(args.prompts)]
-            prefilled = llm.num_prefilled_tokens
+            prefilled = llm.llm_engine.num_prefilled_tokens
             outputs = llm.generate(prompts, params, use_tqdm=False)  # per prompt, n samples
             completions = [sample["token_ids"] for samples in outputs for sample in samples]
             reward = rewards(completions)
@@ -74,7 +74,8 @@ def main():
             optimizer.step()
             llm.update_weights(policy.state_dict())  # the engine samples the new policy next
             print(f"step {step:3d}  mean reward {reward.mean():.3f}  prefilled "
-                  f"{llm.num_prefilled_tokens - prefilled} tokens for {len(completions)} samples"
+                  f"{llm.llm_engine.num_prefilled_tokens - prefilled} tokens for "
+                  f"{len(completions)} samples"
                   f"  {time.perf_counter() - start:.2f} s")
         # The engine runs the trained policy: its greedy tokens are the policy's own.
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -12,6 +12,19 @@ ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: e4m3 with a scale per token and kv head
 
 
+def option_names() -> list[str]:
+    """The engine options `LLM(model, **options)` takes (besides the data-parallel ones)."""
+    return [f.name for f in dataclasses.fields(Config) if f.init and f.name != "model"]
+
+
+def check_option_names(options: dict, extra: tuple[str, ...] = ()):
+    """A TypeError for an option name that is neither an engine option nor in `extra`."""
+    known = option_names() + list(extra)
+    for name in options:
+        if name not in known:
+            raise TypeError(f"unknown option {name!r}; valid options are: {', '.join(known)}")
+
+
 @dataclass
 class Config:
     model: str
@@ -36,10 +49,7 @@ class Config:
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":
         """Build a Config, rejecting unknown option names with a clear TypeError."""
-        known = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "model"]
-        for name in options:
-            if name not in known:
-                raise TypeError(f"unknown option {name!r}; valid options are: {', '.join(known)}")
+        check_option_names(options)
         return cls(model, **options)
 
     def __post_init__(self):

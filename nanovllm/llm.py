@@ -1,25 +1,19 @@
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from itertools import accumulate
+"""LLM: the front users call. It checks every request and hands it to one engine in this process
+(engine/) or to engine replicas on Ray (ray/); both build outputs one way (engine/outputs.py)."""
 
-import torch
+from collections.abc import Callable, Iterator
+from itertools import count
+from time import perf_counter
+from typing import Any
 
-from nanovllm.checkpoint.loader import check_weights, checkpoint_specs, checkpoint_tensors
-from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.sequence import Sequence
+from tqdm.auto import tqdm
 
+from nanovllm.engine.llm_engine import LLMEngine, StepResult
+from nanovllm.engine.outputs import StreamOutput
+from nanovllm.engine.requests import Request, make_requests
+from nanovllm.ray.data_parallel import DATA_PARALLEL_OPTIONS, DataParallelEngine, uses_ray
 
-@dataclass(slots=True)
-class StreamOutput:
-    """What one step added to the request of `LLM.stream` at position `index` of its prompts."""
-
-    index: int
-    text: str  # new text: never a partial character, nor text a stop string may still remove
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    sample: int = 0  # which of the prompt's SamplingParams.n completions
+PROGRESS_REFRESH_SECONDS = 0.1
 
 
 def _is_conversation(messages) -> bool:
@@ -46,139 +40,150 @@ def conversation_prompts(tokenizer, messages) -> list[list[int]]:
         add_special_tokens=False) for c in conversations]
 
 
-class LLM(LLMEngine):
-    """`LLM(model, **options).generate(prompts, sampling_params)`; a DataParallelLLM on Ray."""
+def throughput_postfix(prefill_tokens: int, prefill_seconds: float, decode_tokens: int,
+                       decode_seconds: float) -> dict[str, str]:
+    """The progress bar's rates: each kind of token over the seconds of the steps that ran it."""
+    return {"prefill": f"{prefill_tokens / max(prefill_seconds, 1e-9):.0f} tok/s",
+            "decode": f"{decode_tokens / max(decode_seconds, 1e-9):.0f} tok/s"}
 
-    def __new__(cls, *args, **options):
-        from nanovllm.ray.data_parallel import uses_ray
 
-        if uses_ray(options):
-            from nanovllm.ray.data_parallel import DataParallelLLM
+class _Progress:
+    """A call's progress bar: prompts completed, and the prefill and decode rates of its steps."""
 
-            return DataParallelLLM(*args, **options)
-        return super().__new__(cls)
+    def __init__(self, use_tqdm: bool | Callable[..., tqdm], total: int):
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        self.bar = make_bar(total=total, desc="Generating", unit="req", dynamic_ncols=True,
+                            disable=not use_tqdm)
+        self.enabled = bool(use_tqdm)
+        self.tokens = [0, 0]  # prefill, decode
+        self.seconds = [0.0, 0.0]
+        self.last_refresh = perf_counter()
+
+    def on_step(self, result: StepResult):
+        """Count a step (each is all prefill or all decode) and its seconds."""
+        if result.num_prefill_tokens or result.num_decode_tokens:
+            kind = 0 if result.num_prefill_tokens else 1
+            self.tokens[kind] += result.num_prefill_tokens or result.num_decode_tokens
+            self.seconds[kind] += result.seconds
+            self._refresh(force=False)
+
+    def completed(self):
+        self.bar.update(1)
+        self._refresh(force=self.bar.n == self.bar.total)
+
+    def _refresh(self, force: bool):
+        now = perf_counter()
+        if self.enabled and (force or now - self.last_refresh >= PROGRESS_REFRESH_SECONDS):
+            self.last_refresh = now
+            self.bar.set_postfix(throughput_postfix(self.tokens[0], self.seconds[0],
+                                                    self.tokens[1], self.seconds[1]))
+
+
+class LLM:
+    """`LLM(model, **options).generate(prompts, sampling_params)`, as vLLM's offline API. With
+    `data_parallel_size > 1` the engines are Ray actors; the calls and outputs are the same."""
 
     def __init__(self, model: str, **options):
-        for name in ("data_parallel_size", "data_parallel_backend"):
-            options.pop(name, None)  # checked by uses_ray: one in-process engine
-        super().__init__(model, **options)
+        self._request_ids = count()
+        if uses_ray(options):
+            self.llm_engine = DataParallelEngine(model, **options)
+        else:
+            for name in DATA_PARALLEL_OPTIONS:  # checked by uses_ray: one in-process engine
+                options.pop(name, None)
+            self.llm_engine = LLMEngine(model, **options)
 
-    def chat(self, messages, sampling_params, use_tqdm: bool = True) -> list:
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def make_requests(self, prompts, sampling_params) -> list[Request]:
+        """A batch tokenized and checked as generate checks it, not queued: `prompts` is a str, a
+        token-id list, or a list of either; `sampling_params` one or one per prompt."""
+        self.llm_engine.check_alive()
+        return make_requests(prompts, sampling_params, self.tokenizer, self.llm_engine.limits,
+                             self._request_ids)
+
+    def generate(self, prompts, sampling_params,
+                 use_tqdm: bool | Callable[..., tqdm] = True) -> list:
+        """Run a batch to completion; per prompt in input order a dict (a list of n for n > 1).
+        Other callers' requests share the steps. `use_tqdm` may be a tqdm-like factory."""
+        outputs = dict(self.as_completed(prompts, sampling_params, use_tqdm))
+        return [outputs[i] for i in range(len(outputs))]
+
+    def as_completed(self, prompts, sampling_params,
+                     use_tqdm: bool | Callable[..., tqdm] = False) -> Iterator[tuple[int, Any]]:
+        """generate's outputs as each prompt's completes: (its index, its output). The batch is
+        checked now; closing the iterator early aborts the prompts not yet completed."""
+        requests = self.make_requests(prompts, sampling_params)
+        progress = _Progress(use_tqdm, len(requests))  # before anything is queued
+        return self._as_completed(requests, progress)
+
+    def _as_completed(self, requests: list[Request], progress: _Progress):
+        try:
+            for completed in self.llm_engine.as_completed(requests, progress.on_step):
+                progress.completed()
+                yield completed
+        finally:
+            progress.bar.close()
+
+    def chat(self, messages, sampling_params, use_tqdm: bool | Callable[..., tqdm] = True) -> list:
         """Reply to one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        self.llm_engine.check_alive()
         prompts = conversation_prompts(self.tokenizer, messages)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompts, sampling_params) -> Iterator[StreamOutput]:
-        """Like generate (validated now, queued on iteration), yielding each step's new output."""
-        return self._stream(self.make_sequences(prompts, sampling_params, detokenize=True))
+        """Like generate (checked now, queued on iteration), yielding each step's new output."""
+        return self.llm_engine.stream(self.make_requests(prompts, sampling_params))
 
-    def _stream(self, seqs: list[Sequence]) -> Iterator[StreamOutput]:
-        self._add(seqs)
-        pending = dict(enumerate(seqs))  # flat: the samples of a prompt follow one another
-        sent = {index: (0, 0) for index in pending}  # tokens and characters already yielded
-        prompt_of = list(accumulate(seq.sample_index == 0 for seq in seqs))
-        try:
-            while pending:
-                with self._lock:  # another caller's steps may have advanced these requests
-                    outputs = _new_outputs(pending, sent, prompt_of)
-                    if not outputs:
-                        self.step()
-                        outputs = _new_outputs(pending, sent, prompt_of)
-                yield from outputs
-        finally:
-            self._abort(list(pending.values()))
+    def add_request(self, prompt, sampling_params) -> int:
+        """Queue one request; returns its (first sample's) sequence id; samples 1.. of n follow."""
+        engine = self._local("add_request")
+        return engine.add(self.make_requests([prompt], [sampling_params]))[0].seq_id
 
+    def step(self) -> StepResult:
+        return self._local("step").step()
+
+    def is_finished(self) -> bool:
+        return self._local("is_finished").is_finished()
+
+    def _local(self, method: str) -> LLMEngine:
+        if not isinstance(self.llm_engine, LLMEngine):
+            raise NotImplementedError(f"LLM.{method} steps one engine; with data-parallel "
+                                      "replicas use generate, as_completed or chat")
+        return self.llm_engine
 
     def update_weights(self, weights) -> None:
-        """Copy (name, tensor) pairs (checkpoint names, any subset, any device) into the weights in
-        place, all checked first; refused while requests are unfinished (README.md)."""
-        pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-        for i, pair in enumerate(pairs):
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2
-                    and isinstance(pair[1], torch.Tensor)):
-                raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got "
-                                f"{type(pair).__name__}")
-        self._load_weights([(name, tuple(t.shape)) for name, t in pairs], pairs)
+        """Copy (name, tensor) pairs or a state dict (checkpoint names, any subset, any device)
+        into the weights in place, all checked first; refused while requests are unfinished."""
+        self.llm_engine.update_weights(weights)
 
     def update_weights_from_path(self, path: str) -> None:
         """update_weights with the tensors of `path`/*.safetensors, checked from the headers."""
-        self._load_weights(checkpoint_specs(path), checkpoint_tensors(path))
-
-    def _load_weights(self, specs: list[tuple[str, tuple]], weights):
-        with self._lock:
-            self._check_alive(awake=False)
-            if self.sleep_level:
-                raise RuntimeError("update_weights() while asleep: call wake_up() first")
-            self._drain("update_weights()")
-            check_weights(self.model_runner.weight_shapes, specs)
-            self._on_all_ranks("update_weights", specs, local=(weights,))
-            self.unloaded_weights -= {name for name, _ in specs}
-            self.scheduler.block_manager.reset_prefix_cache()
+        self.llm_engine.update_weights_from_path(path)
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache; level 1 keeps the weights in pinned host memory, level 2 discards
         them (reload them with update_weights() after wake_up())."""
-        if level not in (1, 2) or isinstance(level, bool):
-            raise ValueError(f"level must be 1 or 2, got {level!r}")
-        with self._lock:
-            self._check_alive(awake=False)
-            if self.sleep_level:
-                raise RuntimeError(f"already asleep (sleep(level={self.sleep_level}))")
-            self._drain("sleep()")
-            self.scheduler.block_manager.reset_prefix_cache()
-            self._on_all_ranks("sleep", level)
-            self.sleep_level = level
+        self.llm_engine.sleep(level)
 
     def wake_up(self) -> None:
         """Restore what sleep() freed (a no-op when awake)."""
-        with self._lock:
-            self._check_alive(awake=False)
-            if not self.sleep_level:
-                return
-            self._on_all_ranks("wake_up")
-            if self.sleep_level == 2:
-                tied = getattr(self.model_runner.model, "tie_word_embeddings", False)
-                self.unloaded_weights = set(self.model_runner.weight_shapes) - (
-                    {"lm_head.weight"} if tied else set())
-            self.sleep_level = 0
+        self.llm_engine.wake_up()
 
-    def _drain(self, action: str):
-        """Finish the last step in flight; raise if requests are unfinished."""
-        self._apply_aborts()
-        if self.inflight is not None and self.scheduler.is_finished():
-            self.step()  # a step launched for requests that have all finished since
-        unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if unfinished:
-            raise RuntimeError(f"{action} refused: {unfinished} requests are unfinished; let "
-                               "them finish (or close their streams) first")
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; running requests are not affected."""
+        self.llm_engine.reset_prefix_cache()
 
-    def _on_all_ranks(self, method: str, *args, local: tuple = ()):
-        """Run a runner method on every rank; on failure the ranks may be out of step: exit."""
-        try:
-            if self.channel is not None:
-                self.channel.send(method, *args)
-            getattr(self.model_runner, method)(*args, *local)
-        except BaseException:
-            self._out_of_step = True
-            self.exit()
-            raise
+    def exit(self):
+        """Stop the engines and release the GPUs, workers and shared memory. Idempotent."""
+        self.llm_engine.exit()
 
-def _new_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],
-                 prompt_of: list[int]) -> list[StreamOutput]:
-    """What the pending requests produced since `sent`; drops the finished ones from `pending`."""
-    outputs = []
-    for index, seq in list(pending.items()):
-        num_tokens, num_chars = sent[index]
-        if seq.num_output_tokens == num_tokens and not seq.is_finished:
-            continue
-        text, holdback = seq.detokenizer.text, seq.detokenizer.holdback
-        end = len(text) if seq.is_finished else max(num_chars, len(text) - holdback)
-        sent[index] = (seq.num_output_tokens, end)
-        if seq.is_finished:
-            del pending[index]
-        start = seq.num_prompt_tokens + num_tokens
-        new_tokens = seq.token_ids[start:seq.num_prompt_tokens + seq.num_output_tokens]
-        outputs.append(StreamOutput(prompt_of[index] - 1, text[num_chars:end], new_tokens,
-                                    seq.is_finished, seq.finish_reason, seq.stop_reason,
-                                    seq.sample_index))
-    return outputs
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.exit()

@@ -23,10 +23,8 @@ LAYERS = [
 ]
 
 
-# Being removed: the runner still reads the engine's Sequence; Ray's replicas still hold the front.
+# Being removed: the runner still reads the engine's Sequence.
 PENDING = {
-    "nanovllm.ray.data_parallel -> nanovllm.llm",
-    "nanovllm.ray.replica -> nanovllm.llm",
     "nanovllm.runner.cuda_graph -> nanovllm.engine.sequence",
     "nanovllm.runner.model_runner -> nanovllm.engine.sequence",
     "nanovllm.runner.sampler_graphs -> nanovllm.engine.sequence",

@@ -51,9 +51,10 @@ def generate_both(model, device, backend, prompts, max_model_len, greedy) -> dic
         with LLM(model, device=device, attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
                  max_model_len=max_model_len, max_num_seqs=len(prompts)) as llm:
             outputs[kv_cache_dtype] = llm.generate(prompts, greedy, use_tqdm=False)
-            config = llm.config
+            config = llm.llm_engine.config
             print(f"kv_cache_dtype={kv_cache_dtype}: dtype {config.dtype}, backend "
-                  f"{config.attention_backend}, KV pool {llm.num_kvcache_blocks} blocks of "
+                  f"{config.attention_backend}, KV pool {llm.llm_engine.num_kvcache_blocks} "
+                  "blocks of "
                   f"{config.kvcache_block_size} tokens, {time.perf_counter() - start:.1f} s")
     return outputs
 

@@ -3,7 +3,7 @@ loaded exactly once, anything else is an error."""
 
 import glob
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -154,3 +154,14 @@ def _default_loader(param: nn.Parameter, loaded):
         raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, "
                          f"checkpoint has {tuple(loaded.shape)}")
     param.data.copy_(loaded)
+
+
+def weight_pairs(weights) -> list[tuple[str, torch.Tensor]]:
+    """A state dict or an iterable of (name, tensor) pairs as a list of pairs, checked."""
+    pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                and isinstance(pair[1], torch.Tensor)):
+            raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got "
+                            f"{type(pair).__name__}")
+    return pairs

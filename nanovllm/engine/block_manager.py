@@ -154,7 +154,7 @@ class BlockManager:
         return block_id
 
     def check_integrity(self, live_seqs: list[Sequence]):
-        """Assert the pool's bookkeeping agrees with `live_seqs` (for tests)."""
+        """Assert the pool's invariants (ref counts, free list, hashes) against `live_seqs`."""
         holders = [0] * self.num_blocks
         for seq in live_seqs:
             for block_id in seq.block_table:

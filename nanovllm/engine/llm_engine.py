@@ -7,26 +7,31 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from time import perf_counter
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tqdm.auto import tqdm
 
+from nanovllm.checkpoint.loader import (
+    check_weights,
+    checkpoint_specs,
+    checkpoint_tensors,
+    weight_pairs,
+)
 from nanovllm.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.requests import as_batch, check_request, prompt_output
+from nanovllm.engine.outputs import StreamOutput, prompt_output, stream_outputs
+from nanovllm.engine.requests import Request, RequestLimits
 from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput, free_port, run_worker
 from nanovllm.runner.shm_channel import NO_MAIN_GUARD_EXIT_CODE, ShmChannel, WorkerDiedError
-from nanovllm.sampling_params import SamplingParams
 
 NCCL_ABORT_SECONDS = 5.0  # how long exit waits for NCCL to abort a dead worker's collectives
 EXIT_LOCK_SECONDS = 30.0  # how long exit waits for another thread's step to end
-PROGRESS_REFRESH_SECONDS = 0.1
 NO_MAIN_GUARD = ("tensor_parallel_size > 1 starts worker processes that import your script again: "
                  "put the LLM(...) call under `if __name__ == \"__main__\":`")
 
@@ -42,19 +47,13 @@ def _abort_nccl_group() -> threading.Thread:
 
 @dataclass
 class StepResult:
-    """What the step completed by one `LLMEngine.step` call (launched by the call before) did."""
+    """What the step completed by one `LLMEngine.step` call (launched by the call before) did, and
+    the seconds that call took."""
 
     finished: list[Sequence]
     num_prefill_tokens: int
     num_decode_tokens: int
-
-
-def throughput_postfix(num_prefill_tokens: int, num_decode_tokens: int,
-                       elapsed: float) -> dict[str, str]:
-    """The progress bar's rates: each kind of token over the seconds since the call started."""
-    elapsed = max(elapsed, 1e-9)
-    return {"prefill": f"{num_prefill_tokens / elapsed:.0f} tok/s",
-            "decode": f"{num_decode_tokens / elapsed:.0f} tok/s"}
+    seconds: float = 0.0
 
 
 class LLMEngine:
@@ -179,7 +178,7 @@ class LLMEngine:
     def __exit__(self, *exc):
         self.exit()
 
-    def _check_alive(self, awake: bool = True):
+    def check_alive(self, awake: bool = True):
         if self._exited:
             raise RuntimeError("this LLM has exited; create a new one")
         if awake and self.sleep_level:
@@ -191,45 +190,38 @@ class LLMEngine:
                 f"again (e.g. {min(self.unloaded_weights)!r}): pass them to update_weights() or "
                 "update_weights_from_path() first")
 
-    def make_sequences(self, prompts, sampling_params, detokenize: bool = False) -> list[Sequence]:
-        """Validate a whole batch, then make its sequences; raises before anything is queued."""
-        with self._lock:
-            self._check_alive()
-            return self._make_sequences(prompts, sampling_params, detokenize)
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request must fit in this engine."""
+        config = self.config
+        return RequestLimits(config.hf_config.vocab_size, config.max_model_len,
+                             config.kvcache_block_size, self.num_kvcache_blocks,
+                             config.max_num_seqs)
 
-    def _make_sequences(self, prompts, sampling_params, detokenize: bool) -> list[Sequence]:
-        prompts, sampling_params = as_batch(prompts, sampling_params)
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for i, (tokens, sp) in enumerate(zip(token_lists, sampling_params)):
-            check_request(i, tokens, sp, self.config.hf_config.vocab_size)
-            try:
-                self.scheduler.check_fits(len(tokens), sp.max_tokens, sp.n)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        seqs = [sample for tokens, sp in zip(token_lists, sampling_params)
-                for sample in Sequence(tokens, sp, self.config.kvcache_block_size,
-                                       self.eos_token_ids).make_samples()]
+    def add(self, requests: list[Request], detokenize: bool = False) -> list[Sequence]:
+        """Queue checked requests (make_requests); returns their sequences, each prompt's n
+        samples in a row. detokenize: text as tokens come (streams), not only at the end."""
+        block_size = self.config.kvcache_block_size
+        seqs = []
+        for request in requests:
+            samples = Sequence(request.token_ids, request.params, block_size,
+                               self.eos_token_ids).make_samples()
+            for sample in samples:
+                sample.request_id = request.request_id
+            seqs += samples
         for seq in seqs:
             if detokenize or seq.sampling_params.stop:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids,
                                                          seq.sampling_params)
-        return seqs
-
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its (first sample's) sequence id; samples 1.. of n follow."""
-        seqs = self.make_sequences([prompt], [sampling_params])
-        self._add(seqs)
-        return seqs[0].seq_id
-
-    def _add(self, seqs: list[Sequence]):
         with self._lock:
-            self._check_alive()
+            self.check_alive()
             self._apply_aborts()
             for seq in seqs:
                 if seq.sample_index == 0:  # the others wait in its forks
                     self.scheduler.add(seq)
+        return seqs
 
-    def _abort(self, seqs: list[Sequence]):
+    def abort(self, seqs: list[Sequence]):
         """Finish these requests ("abort") now, or at the next step if one is running."""
         self._aborted += [seq for seq in seqs if not seq.is_finished]
         # Non-blocking: a closed stream's finalizer may run in the middle of this thread's step.
@@ -240,11 +232,97 @@ class LLMEngine:
             finally:
                 self._lock.release()
 
+    def abort_requests(self, request_ids: list[str]):
+        """Finish ("abort") the unfinished samples of these requests, at once or after the step
+        that is running; their callers get them with finish_reason "abort"."""
+        ids = set(request_ids)
+        with self._lock:
+            queues = (self.scheduler.running, self.scheduler.waiting)
+            self.abort([seq for queue in queues for seq in queue if seq.request_id in ids])
+
     def _apply_aborts(self):
         while self._aborted:
             seq = self._aborted.pop()
             if not seq.is_finished and not self._exited:
                 self.scheduler.finish(seq, "abort")
+
+    def update_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs (checkpoint names, any subset, any device) into the weights in
+        place, all checked first; refused while requests are unfinished (README.md)."""
+        pairs = weight_pairs(weights)
+        self._load_weights([(name, tuple(t.shape)) for name, t in pairs], pairs)
+
+    def update_weights_from_path(self, path: str) -> None:
+        """update_weights with the tensors of `path`/*.safetensors, checked from the headers."""
+        self._load_weights(checkpoint_specs(path), checkpoint_tensors(path))
+
+    def _load_weights(self, specs: list[tuple[str, tuple]], weights):
+        with self._lock:
+            self.check_ready("update_weights", specs)
+            self._on_all_ranks("update_weights", specs, local=(weights,))
+            self.unloaded_weights -= {name for name, _ in specs}
+            self.scheduler.block_manager.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache; level 1 keeps the weights in pinned host memory, level 2 discards
+        them (reload them with update_weights() after wake_up())."""
+        with self._lock:
+            self.check_ready("sleep", level)
+            self.scheduler.block_manager.reset_prefix_cache()
+            self._on_all_ranks("sleep", level)
+            self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Restore what sleep() freed (a no-op when awake)."""
+        with self._lock:
+            self.check_ready("wake_up")
+            if not self.sleep_level:
+                return
+            self._on_all_ranks("wake_up")
+            if self.sleep_level == 2:
+                tied = getattr(self.model_runner.model, "tie_word_embeddings", False)
+                self.unloaded_weights = set(self.model_runner.weight_shapes) - (
+                    {"lm_head.weight"} if tied else set())
+            self.sleep_level = 0
+
+    def check_ready(self, method: str, *args):
+        """Raise what `method(*args)` (update_weights with its (name, shape) specs, sleep, wake_up)
+        would refuse in this state, changing nothing that method would: Ray's replicas all check
+        before any of them acts."""
+        if method == "sleep" and (args[0] not in (1, 2) or isinstance(args[0], bool)):
+            raise ValueError(f"level must be 1 or 2, got {args[0]!r}")
+        with self._lock:
+            self.check_alive(awake=False)
+            if method == "wake_up":
+                return
+            if self.sleep_level:
+                raise RuntimeError(f"already asleep (sleep(level={self.sleep_level}))"
+                                   if method == "sleep" else
+                                   f"{method}() while asleep: call wake_up() first")
+            self._drain(f"{method}()")
+            if method == "update_weights":
+                check_weights(self.model_runner.weight_shapes, args[0])
+
+    def _drain(self, action: str):
+        """Finish the last step in flight; raise if requests are unfinished."""
+        self._apply_aborts()
+        if self.inflight is not None and self.scheduler.is_finished():
+            self.step()  # a step launched for requests that have all finished since
+        unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if unfinished:
+            raise RuntimeError(f"{action} refused: {unfinished} requests are unfinished; let "
+                               "them finish (or close their streams) first")
+
+    def _on_all_ranks(self, method: str, *args, local: tuple = ()):
+        """Run a runner method on every rank; on failure the ranks may be out of step: exit."""
+        try:
+            if self.channel is not None:
+                self.channel.send(method, *args)
+            getattr(self.model_runner, method)(*args, *local)
+        except BaseException:
+            self._out_of_step = True
+            self.exit()
+            raise
 
     def reset_prefix_cache(self):
         """Forget every cached prefix; running requests are not affected."""
@@ -259,15 +337,18 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Launch a step, then postprocess the previous one while the GPU runs the new one."""
         with self._lock:
-            self._check_alive()
+            self.check_alive()
             self._apply_aborts()
             if self.inflight is None and self.scheduler.is_finished():
                 return StepResult([], 0, 0)
             self._stepping = True
+            start = perf_counter()
             try:
-                return self._step()
+                result = self._step()
             finally:
                 self._stepping = False
+            result.seconds = perf_counter() - start
+            return result
 
     def _step(self) -> StepResult:
         done, finished = None, []
@@ -339,19 +420,13 @@ class LLMEngine:
                 finished.append(seq)
         return finished
 
-    def generate(self, prompts, sampling_params,
-                 use_tqdm: bool | Callable[..., tqdm] = True) -> list:
-        """Run a batch to completion; per prompt in input order a dict (a list of n for n > 1).
-        Other callers' requests share the steps. `use_tqdm` may be a tqdm-like factory."""
-        outputs = dict(self.as_completed(prompts, sampling_params, use_tqdm))
-        return [outputs[i] for i in range(len(outputs))]
-
-    def as_completed(self, prompts, sampling_params,
-                     use_tqdm: bool | Callable[..., tqdm] = False) -> Iterator[tuple[int, Any]]:
-        """generate's outputs as each prompt's completes: (its index, its output). Closing the
-        iterator early aborts the prompts not yet completed."""
-        seqs = self.make_sequences(prompts, sampling_params)
-        self._add(seqs)
+    def as_completed(self, requests: list[Request],
+                     on_step: Callable[[StepResult], None] | None = None,
+                     ) -> Iterator[tuple[int, Any]]:
+        """Queue `requests` and step until each completes, yielding (its index, its output) as it
+        does; other callers' requests share the steps. Closing the iterator early aborts the
+        requests not yet completed. on_step sees each step this call ran."""
+        seqs = self.add(requests)
         groups: list[list[Sequence]] = []
         prompt_of: dict[int, int] = {}
         for seq in seqs:
@@ -359,11 +434,7 @@ class LLMEngine:
                 groups.append([])
             groups[-1].append(seq)
             prompt_of[seq.seq_id] = len(groups) - 1
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        pbar = make_bar(total=len(groups), desc="Generating", unit="req", dynamic_ncols=True,
-                        disable=not use_tqdm)
-        start = last_refresh = perf_counter()
-        num_prefill = num_decode = num_completed = 0
+        num_completed = 0
         unfinished = seqs
         try:
             while num_completed < len(groups):
@@ -372,17 +443,28 @@ class LLMEngine:
                     unfinished = [s for s in unfinished if not s.is_finished]
                     completed = [(i, prompt_output(groups[i], self.tokenizer)) for i in touched
                                  if all(s.is_finished for s in groups[i])]
-                    result = self.step() if unfinished else StepResult([], 0, 0)
+                    result = self.step() if unfinished else None
                 num_completed += len(completed)
                 yield from completed
-                num_prefill += result.num_prefill_tokens
-                num_decode += result.num_decode_tokens
-                now = perf_counter()
-                if use_tqdm and (now - last_refresh >= PROGRESS_REFRESH_SECONDS
-                                 or num_completed == len(groups)):
-                    last_refresh = now
-                    pbar.n = num_completed
-                    pbar.set_postfix(throughput_postfix(num_prefill, num_decode, now - start))
+                if on_step is not None and result is not None:
+                    on_step(result)
         finally:
-            self._abort(unfinished)
-            pbar.close()
+            self.abort(unfinished)
+
+    def stream(self, requests: list[Request]) -> Iterator[StreamOutput]:
+        """Queue `requests` and yield what each step adds to them; closing the iterator early
+        aborts the unfinished ones."""
+        seqs = self.add(requests, detokenize=True)
+        pending = dict(enumerate(seqs))  # flat: the samples of a prompt follow one another
+        sent = {index: (0, 0) for index in pending}  # tokens and characters already yielded
+        prompt_of = list(accumulate(seq.sample_index == 0 for seq in seqs))
+        try:
+            while pending:
+                with self._lock:  # another caller's steps may have advanced these requests
+                    outputs = stream_outputs(pending, sent, prompt_of)
+                    if not outputs:
+                        self.step()
+                        outputs = stream_outputs(pending, sent, prompt_of)
+                yield from outputs
+        finally:
+            self.abort(list(pending.values()))

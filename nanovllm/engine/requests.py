@@ -1,8 +1,54 @@
-"""Requests in and out: a batch checked before any of it is queued, and the outputs."""
+"""Requests in: a batch tokenized and checked against the engine's limits before any of it is
+queued. The one validation path, for the local engine and the Ray replicas alike."""
 
-from nanovllm.checkpoint.tokenizer import NoTokenizer
-from nanovllm.engine.sequence import Sequence
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from nanovllm.engine.scheduler import check_fits
 from nanovllm.sampling_params import SamplingParams, as_token_id
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What a request must fit: the vocabulary, the context, the KV pool and the batch."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int):
+        """Raise ValueError if a request of this size (n samples) could never be scheduled."""
+        if n > self.max_num_seqs:
+            raise ValueError(f"n={n} samples exceed max_num_seqs={self.max_num_seqs}")
+        check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.block_size,
+                   self.num_blocks, n)
+
+
+@dataclass(slots=True)
+class Request:
+    """A checked request: its prompt as token ids and its sampling settings."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+
+
+def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,
+                  request_ids: Iterator[int]) -> list[Request]:
+    """Tokenize and check a whole batch (one prompt or params may stand for all); raises before
+    anything is queued, naming the prompt, the value and the limit."""
+    prompts, sampling_params = as_batch(prompts, sampling_params)
+    token_lists = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    for i, (tokens, params) in enumerate(zip(token_lists, sampling_params)):
+        check_request(i, tokens, params, limits.vocab_size)
+        try:
+            limits.check_fits(len(tokens), params.max_tokens, params.n)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    return [Request(str(next(request_ids)), tokens, params)
+            for tokens, params in zip(token_lists, sampling_params)]
 
 
 def as_batch(prompts, sampling_params) -> tuple[list, list]:
@@ -57,29 +103,3 @@ def check_request(index: int, tokens: list, params, vocab_size: int):
     if bad is not None:
         raise ValueError(f"sampling_params[{index}].stop_token_ids has {bad} outside the "
                          f"vocabulary [0, {vocab_size})")
-
-
-def request_output(seq: Sequence, tokenizer) -> dict:
-    """A finished sequence as `generate` returns it."""
-    tokens = seq.completion_token_ids
-    params = seq.sampling_params
-    if seq.detokenizer is not None:
-        text = seq.detokenizer.text
-    elif isinstance(tokenizer, NoTokenizer):
-        text = ""
-    else:  # as vLLM, without the text of the EOS or stop id that ended the sequence
-        hide_stop = seq.finish_reason == "stop" and not params.include_stop_str_in_output
-        shown = tokens[:-1] if hide_stop else tokens
-        text = tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
-    output = {"text": text, "token_ids": tokens, "finish_reason": seq.finish_reason,
-              "stop_reason": seq.stop_reason}
-    if params.logprobs is not None:
-        output["logprobs"] = seq.logprobs
-        output["cumulative_logprob"] = seq.cumulative_logprob
-    return output
-
-
-def prompt_output(samples: list[Sequence], tokenizer) -> dict | list[dict]:
-    """A prompt's output: its sample's dict, or with n > 1 its n samples' dicts in order."""
-    outputs = [request_output(seq, tokenizer) for seq in samples]
-    return outputs if samples[0].sampling_params.n > 1 else outputs[0]

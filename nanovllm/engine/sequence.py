@@ -23,6 +23,7 @@ class Sequence:
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
                  eos_token_ids: Iterable[int] = ()):
         self.seq_id = next(Sequence._ids)
+        self.request_id: str | None = None  # the request it samples for (engine.requests.Request)
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
         self.num_tokens = len(token_ids)

@@ -1,22 +1,21 @@
-"""DataParallelLLM: replicas of the engine as Ray actors, a batch split among them by its expected
-tokens. `LLM(model, data_parallel_size=N)` returns one; `import nanovllm` never imports Ray."""
+"""DataParallelEngine: replicas of the engine as Ray actors, a batch split among them by its
+expected tokens. `LLM(model, data_parallel_size=N)` drives one; importing it does not import Ray."""
 
-import dataclasses
 import heapq
-import os
-import types
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
 
-from nanovllm.checkpoint.hf_config import load_hf_config
-from nanovllm.checkpoint.tokenizer import load_tokenizer
-from nanovllm.config import Config
-from nanovllm.engine.requests import as_batch, check_request
-from nanovllm.engine.scheduler import check_fits
+from nanovllm.checkpoint.loader import checkpoint_specs, weight_pairs
+from nanovllm.config import check_option_names
+from nanovllm.engine.requests import Request, RequestLimits
 from nanovllm.ray.replica import EngineReplica, import_ray
 
+DATA_PARALLEL_OPTIONS = ("data_parallel_size", "data_parallel_backend")
 DATA_PARALLEL_BACKENDS = ("auto", "ray")  # auto: Ray for data_parallel_size > 1, else in-process
 POLL_SECONDS = 0.05
-MAX_CONCURRENT_CALLS = 16  # a replica's shards of concurrent generate calls, plus progress
+MAX_CONCURRENT_CALLS = 16  # a replica's shards of concurrent calls, plus aborts and broadcasts
 EXIT_SECONDS = 30.0
 
 
@@ -45,31 +44,6 @@ def balance(costs: list[int], num_shards: int) -> list[list[int]]:
     return [sorted(shard) for shard in shards]
 
 
-@dataclass(eq=False)
-class Replica:
-    actor: object  # a Ray actor handle of EngineReplica
-    limits: tuple[int, int, int] = (0, 0, 0)  # max_model_len, block size, KV blocks
-
-
-@dataclass(eq=False)
-class _Shard:
-    replica: Replica
-    indices: list[int]
-    outputs: object  # ObjectRefGenerator of (index in the shard, output)
-    pending: set[int]  # shard positions not yet returned
-
-
-def _check_option_names(options: dict):
-    known = [f.name for f in dataclasses.fields(Config) if f.init and f.name != "model"]
-    for name in options:
-        if name not in known:
-            raise TypeError(f"unknown option {name!r}; valid options are: "
-                            f"{', '.join(known + ['data_parallel_size', 'data_parallel_backend'])}")
-    tp = options.get("tensor_parallel_size", 1)
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
-
-
 def replica_resources(ray, options: dict) -> tuple[str, dict]:
     """(device, the Ray resources of one replica's actor): a GPU per tensor-parallel rank."""
     tp = options.get("tensor_parallel_size", 1)
@@ -79,26 +53,43 @@ def replica_resources(ray, options: dict) -> tuple[str, dict]:
     return device, ({"num_gpus": tp, "num_cpus": 1} if device == "cuda" else {"num_cpus": tp})
 
 
-class DataParallelLLM:
-    """`data_parallel_size` engines, each an `LLM` in a Ray actor (docs/architecture.md)."""
+@dataclass(eq=False)
+class Replica:
+    actor: object  # a Ray actor handle of EngineReplica
+    limits: RequestLimits | None = None
+
+
+@dataclass(eq=False)
+class _Shard:
+    replica: Replica
+    indices: list[int]  # the call's request indices this shard holds
+    outputs: object  # ObjectRefGenerator of (index in the shard, output)
+    pending: set[int]  # shard positions not yet returned
+
+
+class DataParallelEngine:
+    """`data_parallel_size` engines, each an `LLMEngine` in a Ray actor (docs/architecture.md). The
+    front (LLM) checks requests against `limits` before any reaches a replica."""
 
     def __init__(self, model: str, data_parallel_size: int = 1, data_parallel_backend: str = "ray",
                  **options):
         uses_ray({"data_parallel_size": data_parallel_size,
                   "data_parallel_backend": data_parallel_backend})
-        _check_option_names(options)
+        check_option_names(options, DATA_PARALLEL_OPTIONS)
+        tp = options.get("tensor_parallel_size", 1)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
         self.ray = ray = import_ray(f"data_parallel_size={data_parallel_size}")
         self.replicas: list[Replica] = []
         self._exited = False
-        model = os.path.expanduser(os.fspath(model))
-        from nanovllm.models import MODELS
-
-        self.vocab_size = load_hf_config(model, MODELS).vocab_size
-        skip = options.get("skip_tokenizer_init", False)
-        self.tokenizer = load_tokenizer(types.SimpleNamespace(model=model,
-                                                              skip_tokenizer_init=skip))
+        self._lock = threading.Lock()
+        self._active_calls = 0  # as_completed calls with shards on the replicas
         self.num_rerun_requests = 0  # requests re-run because their replica died
         if not ray.is_initialized():
+            # Ray's driver lives in the thread that starts it: one that ends takes it along.
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError("a data-parallel LLM started outside the main thread needs Ray "
+                                   "started first: call ray.init() in the main thread")
             ray.init()
         self._start(model, options, data_parallel_size)
 
@@ -118,134 +109,153 @@ class DataParallelLLM:
         self.replicas = [Replica(actor_class.remote()) for _ in range(num_replicas)]
         refs = [r.actor.start.remote(model, {**options, "device": device}) for r in self.replicas]
         try:
-            for replica, limits in zip(self.replicas, ray.get(refs)):
-                replica.limits = limits
+            for replica, ref in zip(self.replicas, refs):
+                replica.limits, self.tokenizer = self._get(ref)
         except BaseException:
             self.exit()
             raise
 
-    def __getattr__(self, name: str):
-        from nanovllm.llm import LLM
-
-        if not name.startswith("_") and hasattr(LLM, name):
-            raise AttributeError(f"LLM.{name} runs on one engine; with data-parallel replicas use "
-                                 "generate or chat")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def _get(self, ref):
+        """ray.get, an engine's error raised as itself (not wrapped in a RayTaskError)."""
+        try:
+            return self.ray.get(ref)
+        except self.ray.exceptions.RayTaskError as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
     @property
     def data_parallel_size(self) -> int:
         return len(self.replicas)
 
-    def _check_alive(self):
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request must fit on every replica (the smallest KV pool)."""
+        self.check_alive()
+        num_blocks = min(r.limits.num_blocks for r in self.replicas)
+        return replace(self.replicas[0].limits, num_blocks=num_blocks)
+
+    def check_alive(self):
         if self._exited:
             raise RuntimeError("this LLM has exited; create a new one")
         if not self.replicas:
             raise RuntimeError("every data-parallel replica has died; create a new LLM")
 
-    def _validate(self, prompts, sampling_params) -> tuple[list[list[int]], list]:
-        """The batch as token ids, checked as one engine checks it, before any of it is sent."""
-        prompts, sampling_params = as_batch(prompts, sampling_params)
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        max_model_len, block_size, _ = self.replicas[0].limits
-        num_blocks = min(r.limits[2] for r in self.replicas)
-        for i, (tokens, sp) in enumerate(zip(token_lists, sampling_params)):
-            check_request(i, tokens, sp, self.vocab_size)
-            try:
-                check_fits(len(tokens), sp.max_tokens, max_model_len, block_size, num_blocks,
-                           sp.n)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        return token_lists, sampling_params
-
-    def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
-        """Run a batch on every replica at once; outputs in input order, as `LLM.generate`."""
-        self._check_alive()
-        token_lists, sampling_params = self._validate(prompts, sampling_params)
-        return self._run(token_lists, sampling_params, use_tqdm)
-
-    def chat(self, messages, sampling_params, use_tqdm: bool = True) -> list[dict]:
-        """Reply to one conversation or a list of them, as `LLM.chat`."""
-        from nanovllm.llm import conversation_prompts
-
-        self._check_alive()
-        return self.generate(conversation_prompts(self.tokenizer, messages), sampling_params,
-                             use_tqdm)
-
-    def _submit(self, indices: list[int], prompts: list, params: list) -> list[_Shard]:
+    def _submit(self, indices: list[int], requests: list[Request]) -> list[_Shard]:
         """Send these requests to the live replicas, split by expected tokens."""
-        self._check_alive()
-        costs = [len(prompts[i]) + params[i].max_tokens for i in indices]
+        self.check_alive()
+        costs = [len(requests[i].token_ids) + requests[i].params.max_tokens for i in indices]
         shards = []
         for replica, shard in zip(self.replicas, balance(costs, len(self.replicas))):
             if shard:
                 part = [indices[k] for k in shard]
                 outputs = replica.actor.generate.options(num_returns="streaming").remote(
-                    [prompts[i] for i in part], [params[i] for i in part])
+                    [requests[i] for i in part])
                 shards.append(_Shard(replica, part, outputs, set(range(len(part)))))
         return shards
 
-    def _run(self, prompts: list, params: list, use_tqdm: bool) -> list[dict]:
-        from tqdm.auto import tqdm
-
-        ray = self.ray
-        outputs: list = [None] * len(prompts)
-        shards = self._submit(list(range(len(prompts))), prompts, params)
-        with tqdm(total=len(prompts), desc="Generating", unit="req", dynamic_ncols=True,
-                  disable=not use_tqdm) as pbar:
+    def as_completed(self, requests: list[Request], on_step: Callable | None = None,
+                     ) -> Iterator[tuple[int, Any]]:
+        """Run checked requests on every replica at once, yielding (index, output) as each
+        completes. A replica that dies has its unreturned requests split again over the others;
+        an engine error aborts the call's other shards and is raised once they have stopped."""
+        with self._lock:
+            self._active_calls += 1
+        shards: list[_Shard] = []
+        try:
+            shards = self._submit(list(range(len(requests))), requests)
             while shards:
-                ready, _ = ray.wait([s.outputs for s in shards], num_returns=1,
-                                    timeout=POLL_SECONDS)
-                for shard in [s for s in shards if s.outputs in ready]:
-                    try:
-                        position, output = ray.get(next(shard.outputs))
-                    except StopIteration:
-                        shards.remove(shard)
-                        continue
-                    except ray.exceptions.RayActorError:
-                        shards.remove(shard)
-                        self._drop(shard.replica)
-                        lost = [shard.indices[k] for k in sorted(shard.pending)]
-                        self.num_rerun_requests += len(lost)
-                        shards += self._submit(lost, prompts, params)
-                        continue
-                    shard.pending.discard(position)
-                    outputs[shard.indices[position]] = output
-                    pbar.update(1)
-        return outputs
+                yield from self._next_outputs(shards, requests)
+        finally:
+            self._stop(shards, requests)
+            with self._lock:
+                self._active_calls -= 1
+
+    def _next_outputs(self, shards: list[_Shard], requests: list[Request]):
+        ray = self.ray
+        ready, _ = ray.wait([s.outputs for s in shards], num_returns=1, timeout=POLL_SECONDS)
+        for shard in [s for s in shards if s.outputs in ready]:
+            try:
+                position, output = self._get(next(shard.outputs))
+            except StopIteration:
+                shards.remove(shard)
+                continue
+            except ray.exceptions.RayActorError:
+                shards.remove(shard)
+                self._drop(shard.replica)
+                lost = [shard.indices[k] for k in sorted(shard.pending)]
+                self.num_rerun_requests += len(lost)
+                shards += self._submit(lost, requests)
+                continue
+            shard.pending.discard(position)
+            yield shard.indices[position], output
+
+    def _stop(self, shards: list[_Shard], requests: list[Request]):
+        """Abort what the shards still run and wait until their streams end, so that the replicas
+        are idle again when the call returns or raises."""
+        ray = self.ray
+        for shard in shards:
+            ids = [requests[shard.indices[k]].request_id for k in shard.pending]
+            shard.replica.actor.abort.remote(ids)
+        for shard in shards:
+            try:
+                for ref in shard.outputs:
+                    ray.get(ref)
+            except Exception:  # a replica that died or failed has stopped too
+                pass
 
     def _drop(self, replica: Replica):
         if replica in self.replicas:
             self.replicas.remove(replica)
             self.ray.kill(replica.actor)
 
-    def _broadcast(self, method: str, *args, **kwargs) -> list:
-        """Run `LLM.<method>(*args, **kwargs)` on every live replica; returns their results."""
-        self._check_alive()
-        ray = self.ray
-        refs = [(r, r.actor.call.remote(method, args, kwargs)) for r in self.replicas]
+    def _broadcast(self, method: str, *args) -> list:
+        """`LLMEngine.<method>(*args)` on every live replica, once every replica has passed its
+        `check_ready`: a refused operation leaves every replica unchanged."""
+        self.check_alive()
+        with self._lock:
+            if self._active_calls:
+                raise RuntimeError(f"{method}() refused: {self._active_calls} generate calls are "
+                                   "unfinished; let them finish (or close their iterators) first")
+            if method == "update_weights":
+                self._on_every_replica("check_ready", method,
+                                       [(name, tuple(t.shape)) for name, t in args[0]])
+            elif method == "update_weights_from_path":
+                self._on_every_replica("check_ready", "update_weights", checkpoint_specs(args[0]))
+            elif method in ("sleep", "wake_up"):
+                self._on_every_replica("check_ready", method, *args)
+            return self._on_every_replica(method, *args)
+
+    def _on_every_replica(self, method: str, *args) -> list:
+        refs = [(r, r.actor.call.remote(method, args, {})) for r in self.replicas]
         results = []
         for replica, ref in refs:
             try:
-                results.append(ray.get(ref))
-            except ray.exceptions.RayActorError:
+                results.append(self._get(ref))
+            except self.ray.exceptions.RayActorError:
                 self._drop(replica)
-        self._check_alive()
+        self.check_alive()
         return results
+
+    def stream(self, requests: list[Request]):
+        raise NotImplementedError("LLM.stream runs on one engine; with data-parallel replicas "
+                                  "use generate, as_completed or chat")
 
     def reset_prefix_cache(self):
         self._broadcast("reset_prefix_cache")
 
-    def update_weights(self, *args, **kwargs):
-        self._broadcast("update_weights", *args, **kwargs)
+    def update_weights(self, weights):
+        self._broadcast("update_weights", weight_pairs(weights))
 
-    def update_weights_from_path(self, *args, **kwargs):
-        self._broadcast("update_weights_from_path", *args, **kwargs)
+    def update_weights_from_path(self, path: str):
+        self._broadcast("update_weights_from_path", path)
 
-    def sleep(self, *args, **kwargs):
-        self._broadcast("sleep", *args, **kwargs)
+    def sleep(self, level: int = 1):
+        self._broadcast("sleep", level)
 
-    def wake_up(self, *args, **kwargs):
-        self._broadcast("wake_up", *args, **kwargs)
+    def wake_up(self):
+        self._broadcast("wake_up")
 
     def exit(self):
         """Stop the engines and remove the actors. Safe to call more than once."""
@@ -259,9 +269,3 @@ class DataParallelLLM:
         ray.wait(refs, num_returns=len(refs), timeout=EXIT_SECONDS)
         for replica in replicas:
             ray.kill(replica.actor)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.exit()

@@ -1,5 +1,7 @@
-"""EngineReplica: one engine inside a Ray actor, driven by DataParallelLLM (data_parallel.py)."""
+"""EngineReplica: one engine inside a Ray actor, driven by DataParallelEngine (data_parallel.py)."""
 
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.requests import Request
 from nanovllm.extras import import_extra
 
 
@@ -8,38 +10,35 @@ def import_ray(what: str):
 
 
 class EngineReplica:
-    """A Ray actor holding one `LLM`; threaded, so that concurrent shards share its steps."""
+    """A Ray actor holding one `LLMEngine`; threaded, so that concurrent shards share its steps and
+    an abort reaches a shard that is running."""
 
     def __init__(self):
-        self.llm = None
-        self.received = self.completed = 0
+        self.engine: LLMEngine | None = None
 
-    def start(self, model: str, options: dict) -> tuple[int, int, int]:
-        """Build the engine (errors come back as themselves); returns (max_model_len,
-        kvcache_block_size, num_kvcache_blocks), what a request must fit."""
-        from nanovllm.llm import LLM
+    def start(self, model: str, options: dict):
+        """Build the engine (errors come back as themselves); returns its RequestLimits and its
+        tokenizer, which the driver checks requests with."""
+        self.engine = LLMEngine(model, **options)
+        return self.engine.limits, self.engine.tokenizer
 
-        self.llm = LLM(model, **options)
-        config = self.llm.config
-        return config.max_model_len, config.kvcache_block_size, self.llm.num_kvcache_blocks
-
-    def generate(self, prompts: list[list[int]], sampling_params: list):
-        """Stream a shard: (index in the shard, output) as each prompt completes."""
-        self.received += len(prompts)
-        for completed in self.llm.as_completed(prompts, sampling_params):
+    def generate(self, requests: list[Request]):
+        """Stream a shard of checked requests: (index in the shard, output) as each completes."""
+        # A loop, not `yield from`: Ray resumes the generator with send(), which `yield from`
+        # would pass down to the list iterators inside as_completed.
+        for completed in self.engine.as_completed(requests):
             yield completed
-            self.completed += 1
 
-    def progress(self) -> tuple[int, int]:
-        """(prompts received, prompts yielded) since start."""
-        return self.received, self.completed
+    def abort(self, request_ids: list[str]):
+        """Finish these requests ("abort"): a shard holding them completes them at once."""
+        self.engine.abort_requests(request_ids)
 
     def call(self, method: str, args: tuple, kwargs: dict):
-        """Run `LLM.<method>(*args, **kwargs)`: the broadcast of DataParallelLLM."""
-        if not hasattr(self.llm, method):
+        """Run `LLMEngine.<method>(*args, **kwargs)`: the broadcast of DataParallelEngine."""
+        if not hasattr(self.engine, method):
             raise AttributeError(f"the engine has no method {method!r}")
-        return getattr(self.llm, method)(*args, **kwargs)
+        return getattr(self.engine, method)(*args, **kwargs)
 
     def exit(self):
-        if self.llm is not None:
-            self.llm.exit()
+        if self.engine is not None:
+            self.engine.exit()

@@ -1,6 +1,7 @@
 """Several callers (threads, open streams) share one engine's steps, each getting its own outputs;
 the progress bar's rates."""
 
+import itertools
 import re
 import threading
 
@@ -8,7 +9,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
-from nanovllm.engine.llm_engine import throughput_postfix
+from nanovllm.llm import throughput_postfix
 from tests.conftest import NUM_NEW_TOKENS
 
 pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
@@ -56,7 +57,8 @@ def collect(stream) -> dict[int, list[int]]:
 def assert_serves_and_is_idle(llm, prompts, hf_reference):
     assert tokens(llm.generate([prompts[0]], GREEDY, use_tqdm=False)) == hf_reference[:1]
     assert llm.is_finished()
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    engine = llm.llm_engine
+    assert engine.scheduler.block_manager.num_free_blocks == engine.num_kvcache_blocks
 
 
 def test_two_threads_generate_what_each_gets_alone(llm, prompts, hf_reference):
@@ -146,23 +148,23 @@ def rates(prefill: int, decode: int) -> dict[str, str]:
     return {"prefill": f"{prefill} tok/s", "decode": f"{decode} tok/s"}
 
 
-def test_throughput_postfix_is_tokens_over_elapsed_seconds():
-    assert throughput_postfix(1000, 250, 5.0) == rates(200, 50)
-    assert throughput_postfix(0, 0, 0.0) == rates(0, 0)
+def test_throughput_postfix_is_tokens_over_the_seconds_of_their_steps():
+    assert throughput_postfix(1000, 5.0, 250, 2.5) == rates(200, 100)
+    assert throughput_postfix(0, 0.0, 0, 0.0) == rates(0, 0)
 
 
-def test_progress_bar_shows_average_rates_since_the_call_started(llm, monkeypatch, capsys):
-    # The clock reads 0 when generate starts and 10 s at every later reading.
-    readings = iter([0.0])
-    monkeypatch.setattr(llm_engine, "perf_counter", lambda: next(readings, 10.0))
+def test_progress_bar_rates_count_each_kind_of_step_alone(llm, monkeypatch, capsys):
+    # The engine's clock advances 0.5 s a reading: every step takes 0.5 s.
+    readings = itertools.count(0.0, 0.5)
+    monkeypatch.setattr(llm_engine, "perf_counter", lambda: next(readings))
     llm.reset_prefix_cache()
     prompts = [[(3 * i) % 200 + 1 for i in range(30)], [(5 * i) % 200 + 1 for i in range(50)]]
     params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
     bounded(lambda: llm.generate(prompts, params, use_tqdm=True))
     last = capsys.readouterr().err.strip().split("\r")[-1]
-    # 80 prompt tokens in one prefill step; 20 decode steps of 2 rows (the first token comes
-    # from the prefill).
-    postfix = ", ".join(f"{kind}={rate}" for kind, rate in rates(8, 4).items())
+    # 80 prompt tokens in one prefill step (0.5 s); 20 decode steps of 2 rows (the first token
+    # comes from the prefill) in 10 s.
+    postfix = ", ".join(f"{kind}={rate}" for kind, rate in rates(160, 4).items())
     assert re.search(" 2/2 .*" + postfix, last), last
 
 
@@ -187,4 +189,16 @@ def test_closing_as_completed_early_aborts_the_rest(llm, prompts, hf_reference):
     assert (index, output["token_ids"]) == (0, hf_reference[0][:2])
     completed.close()
     assert llm.is_finished()
+    assert_serves_and_is_idle(llm, prompts, hf_reference)
+
+
+def test_a_failing_progress_bar_queues_nothing(llm, prompts, hf_reference):
+    def broken_bar(**kwargs):
+        raise RuntimeError("no terminal")
+
+    with pytest.raises(RuntimeError, match="no terminal"):
+        llm.generate(prompts[:2], GREEDY, use_tqdm=broken_bar)
+    assert llm.is_finished()
+    llm.sleep()  # refused if requests were left queued
+    llm.wake_up()
     assert_serves_and_is_idle(llm, prompts, hf_reference)

@@ -3,7 +3,6 @@ replica, and the Ray Data helper equals generate. One local Ray (CPU actors) for
 
 import sys
 import threading
-import time
 
 import pytest
 
@@ -87,7 +86,7 @@ def test_balance_gives_the_costliest_to_the_lightest_shard():
 
 def test_greedy_and_seeded_equal_one_engine_in_input_order(dp_llm, uneven_prompts, one_engine):
     greedy, sampled = one_engine
-    assert dp_llm.data_parallel_size == 2
+    assert dp_llm.llm_engine.data_parallel_size == 2
     outputs = dp_llm.generate(uneven_prompts, GREEDY)
     assert outputs == greedy
     assert dp_llm.generate(uneven_prompts, seeded(len(uneven_prompts)), use_tqdm=False) == sampled
@@ -103,8 +102,17 @@ def test_text_prompts_and_chat_equal_one_engine(dp_llm, tiny_model):
     assert dp_llm.chat(conversations, GREEDY, use_tqdm=False) == chats
 
 
-def test_bad_requests_raise_before_any_is_sent(dp_llm):
+def test_bad_requests_raise_before_any_is_sent(dp_llm, tiny_model):
+    """The same checks, errors and messages as one engine, before anything reaches a replica."""
     too_long = SamplingParams(max_tokens=300)
+    too_many = SamplingParams(n=5, max_tokens=4)
+    with LLM(tiny_model, max_num_seqs=4, **OPTIONS) as llm:
+        with pytest.raises(ValueError, match=r"prompt 0: n=5 samples exceed max_num_seqs=4"):
+            llm.generate([[1, 2]], too_many)
+    with LLM(tiny_model, data_parallel_size=2, max_num_seqs=4, **OPTIONS) as dp:
+        with pytest.raises(ValueError, match=r"prompt 0: n=5 samples exceed max_num_seqs=4"):
+            dp.generate([[1, 2]], too_many)
+        assert dp.llm_engine._broadcast("is_finished") == [True, True]
     with pytest.raises(ValueError, match=r"prompt 1: .* exceeds max_model_len=256"):
         dp_llm.generate([[1, 2], [3]], [GREEDY, too_long])
     with pytest.raises(ValueError, match=r"prompt 0 has token id 999 outside the vocabulary"):
@@ -112,35 +120,80 @@ def test_bad_requests_raise_before_any_is_sent(dp_llm):
 
 
 def test_broadcast_reaches_every_replica(dp_llm):
-    assert dp_llm._broadcast("is_finished") == [True, True]
+    assert dp_llm.llm_engine._broadcast("is_finished") == [True, True]
     dp_llm.reset_prefix_cache()
     with pytest.raises(AttributeError, match="the engine has no method 'no_such_method'"):
-        dp_llm._broadcast("no_such_method")
-    with pytest.raises(AttributeError, match="LLM.stream runs on one engine"):
+        dp_llm.llm_engine._broadcast("no_such_method")
+    with pytest.raises(NotImplementedError, match="LLM.stream runs on one engine"):
         dp_llm.stream([[1]], GREEDY)
+    with pytest.raises(NotImplementedError, match="LLM.step steps one engine"):
+        dp_llm.step()
+
+
+def test_a_refused_operation_leaves_every_replica_unchanged(dp_llm, tiny_model, uneven_prompts,
+                                                            one_engine):
+    """update_weights while a call still runs is refused before any replica acts; a bad tensor is
+    refused by every replica's check before any copies it."""
+    import torch
+
+    greedy, _ = one_engine
+    zeros = {"model.norm.weight": torch.zeros(64)}
+    running = dp_llm.as_completed(uneven_prompts, GREEDY)
+    next(running)
+    with pytest.raises(RuntimeError, match=r"update_weights\(\) refused: 1 generate calls"):
+        dp_llm.update_weights(zeros)
+    running.close()
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        dp_llm.update_weights({"model.norm.weight": torch.zeros(3)})
+    assert dp_llm.generate(uneven_prompts, GREEDY, use_tqdm=False) == greedy
+
+
+def test_started_off_the_main_thread_without_ray_is_refused(local_ray, tiny_model, monkeypatch):
+    monkeypatch.setattr(local_ray, "is_initialized", lambda: False)
+    result = {}
+
+    def start():
+        try:
+            LLM(tiny_model, data_parallel_size=2, **OPTIONS)
+        except RuntimeError as error:
+            result["error"] = str(error)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join(CALL_SECONDS)
+    assert "call ray.init() in the main thread" in result["error"]
+
+
+def shard_of_first_replica(prompts: list, params: list) -> set[int]:
+    """The prompts the driver sends to the first replica (balance by expected tokens)."""
+    costs = [len(p) + sp.max_tokens for p, sp in zip(prompts, params)]
+    return set(balance(costs, 2)[0])
 
 
 def test_a_replica_killed_mid_batch(dp_llm, local_ray, uneven_prompts, tiny_model):
-    """The killed replica's requests re-run on the other; every output equals one engine's."""
-    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    """Killed once one of its requests has come back, its others re-run on the other replica;
+    every output equals one engine's."""
+    params = [SamplingParams(temperature=0, max_tokens=10 + 20 * (i % 4), ignore_eos=True)
+              for i in range(len(uneven_prompts))]
     prompts = [p[:40] for p in uneven_prompts]
     with LLM(tiny_model, **OPTIONS) as llm:
         expected = llm.generate(prompts, params, use_tqdm=False)
-    victim = dp_llm.replicas[0].actor
+    victim = dp_llm.llm_engine.replicas[0].actor
+    victims = shard_of_first_replica(prompts, params)
 
-    def kill_once_busy():
-        deadline = time.monotonic() + CALL_SECONDS
-        while not local_ray.get(victim.progress.remote())[0] and time.monotonic() < deadline:
-            time.sleep(0.01)  # until the victim runs its shard
-        local_ray.kill(victim)
+    def run():
+        outputs, returned = {}, None
+        for index, output in dp_llm.as_completed(prompts, params):
+            outputs[index] = output
+            if index in victims and returned is None:
+                local_ray.kill(victim)
+                returned = len(victims & set(outputs))
+        return outputs, returned
 
-    killer = threading.Thread(target=kill_once_busy, daemon=True)
-    killer.start()
-    outputs = run_bounded(lambda: dp_llm.generate(prompts, params, use_tqdm=False))
-    killer.join()
-    assert dp_llm.num_rerun_requests > 0
-    assert dp_llm.data_parallel_size == 1
-    assert outputs == expected
+    outputs, returned = run_bounded(run)
+    assert 0 < dp_llm.llm_engine.num_rerun_requests <= len(victims) - returned
+    assert dp_llm.llm_engine.data_parallel_size == 1
+    assert [outputs[i] for i in range(len(prompts))] == expected
 
 
 def test_a_dead_replica_keeps_its_returned_outputs(local_ray, tiny_model, prompts):
@@ -151,26 +204,28 @@ def test_a_dead_replica_keeps_its_returned_outputs(local_ray, tiny_model, prompt
     params = [short] * 8 + [long] * 8
     with LLM(tiny_model, **OPTIONS) as llm:
         expected = llm.generate(batch, params, use_tqdm=False)
+    victims = shard_of_first_replica(batch, params)
+    short_victims = {i for i in victims if i < 8}
+    assert len(short_victims) == 4 and len(victims) == 8  # 4 short and 4 long requests
     with LLM(tiny_model, data_parallel_size=2, **OPTIONS) as dp:
-        victim = dp.replicas[0].actor
+        victim = dp.llm_engine.replicas[0].actor
 
-        def kill_once_short_requests_returned():
-            # The victim's shard: 4 short and 4 long requests; the short ones finish first.
-            deadline = time.monotonic() + CALL_SECONDS
-            while local_ray.get(victim.progress.remote())[1] < 4 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            local_ray.kill(victim)
+        def run():
+            outputs, killed = {}, False
+            for index, output in dp.as_completed(batch, params):
+                outputs[index] = output
+                if short_victims <= set(outputs) and not killed:
+                    local_ray.kill(victim)  # the short ones finish first
+                    killed = True
+            return outputs
 
-        killer = threading.Thread(target=kill_once_short_requests_returned, daemon=True)
-        killer.start()
-        outputs = run_bounded(lambda: dp.generate(batch, params, use_tqdm=False))
-        killer.join()
-        assert dp.num_rerun_requests == 4
-        assert outputs == expected
+        outputs = run_bounded(run)
+        assert dp.llm_engine.num_rerun_requests == 4
+        assert [outputs[i] for i in range(len(batch))] == expected
 
 
 def test_every_replica_dead_is_a_clear_error(dp_llm, local_ray):
-    for replica in list(dp_llm.replicas):
+    for replica in list(dp_llm.llm_engine.replicas):
         local_ray.kill(replica.actor)
     with pytest.raises(RuntimeError, match="every data-parallel replica has died"):
         run_bounded(lambda: dp_llm.generate([[1, 2, 3]], GREEDY))

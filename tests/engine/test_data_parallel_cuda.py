@@ -1,13 +1,11 @@
 """Ray replicas on GPUs: one gives the in-process engine's greedy tokens; of two, one killed
 mid-batch changes no output."""
 
-import threading
-import time
-
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.ray.data_parallel import balance
 from tests.conftest import needs_cuda
 
 OPTIONS = dict(gpu_memory_utilization=0.3, max_model_len=512)
@@ -22,7 +20,7 @@ def test_one_ray_replica_equals_the_plain_engine_on_the_gpu(tiny_model, prompts)
     ray.init(include_dashboard=False)
     try:
         with LLM(tiny_model, data_parallel_backend="ray", **OPTIONS) as llm:
-            assert llm.replicas[0].limits[2] > 0
+            assert llm.llm_engine.limits.num_blocks > 0
             assert llm.generate(prompts, params, use_tqdm=False) == expected
     finally:
         ray.shutdown()
@@ -33,25 +31,23 @@ def test_one_ray_replica_equals_the_plain_engine_on_the_gpu(tiny_model, prompts)
 def test_a_replica_killed_on_its_gpu(tiny_model, prompts):
     """Two replicas on two GPUs, one killed mid-batch: every output equals one engine's."""
     ray = pytest.importorskip("ray")
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=40 + 40 * (i % 4), ignore_eos=True)
+              for i in range(len(prompts))]
     batch = [p[:40] for p in prompts]
     with LLM(tiny_model, **OPTIONS) as llm:
         expected = llm.generate(batch, params, use_tqdm=False)
     ray.init(include_dashboard=False)
     try:
         with LLM(tiny_model, data_parallel_size=2, **OPTIONS) as llm:
-            victim = llm.replicas[0].actor
-
-            def kill_once_busy():
-                while not ray.get(victim.progress.remote())[0]:
-                    time.sleep(0.005)
-                ray.kill(victim)
-
-            killer = threading.Thread(target=kill_once_busy, daemon=True)
-            killer.start()
-            outputs = llm.generate(batch, params, use_tqdm=False)
-            killer.join(timeout=60)
-            assert llm.num_rerun_requests > 0 and llm.data_parallel_size == 1
-            assert outputs == expected
+            engine = llm.llm_engine
+            costs = [len(p) + sp.max_tokens for p, sp in zip(batch, params)]
+            victims = set(balance(costs, 2)[0])
+            outputs = {}
+            for index, output in llm.as_completed(batch, params):
+                outputs[index] = output
+                if index in victims and engine.data_parallel_size == 2:
+                    ray.kill(engine.replicas[0].actor)  # one of its requests came back
+            assert engine.num_rerun_requests > 0 and engine.data_parallel_size == 1
+            assert [outputs[i] for i in range(len(batch))] == expected
     finally:
         ray.shutdown()

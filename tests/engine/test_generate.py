@@ -30,7 +30,7 @@ class PreemptionCounter:
 def greedy_twice_under_preemption(llm, prompts) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy tokens of `prompts`, then of them reversed (prefix hits), on an engine whose pool is
     too small for them all (asserted: some request is preempted)."""
-    counter = PreemptionCounter(llm.scheduler)
+    counter = PreemptionCounter(llm.llm_engine.scheduler)
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     second = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
     assert counter.count > 0
@@ -54,9 +54,9 @@ def test_greedy_matches_transformers(tiny_model, prompts, hf_reference, block_si
 def test_greedy_under_preemption(tiny_model, prompts, hf_reference):
     # Each request needs up to 6 blocks of 16 tokens; 8 blocks cannot hold two of them at once.
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
-        counter = PreemptionCounter(llm.scheduler)
+        counter = PreemptionCounter(llm.llm_engine.scheduler)
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert llm.scheduler.block_manager.num_free_blocks == 8
+        assert llm.llm_engine.scheduler.block_manager.num_free_blocks == 8
     assert counter.count > 0
     assert [o["token_ids"] for o in outputs] == hf_reference
 
@@ -68,7 +68,7 @@ def test_greedy_under_preemption_block_256(tiny_model, hf_reference, prompts):
 
     expected = [hf_greedy(tiny_model, p, NUM_NEW_TOKENS) for p in long_prompts]
     with LLM(tiny_model, kvcache_block_size=256, num_kvcache_blocks=3, max_model_len=512) as llm:
-        counter = PreemptionCounter(llm.scheduler)
+        counter = PreemptionCounter(llm.llm_engine.scheduler)
         outputs = llm.generate(long_prompts, GREEDY, use_tqdm=False)
     assert counter.count > 0
     assert [o["token_ids"] for o in outputs] == expected
@@ -79,7 +79,7 @@ def test_prefix_hits_give_identical_tokens(tiny_model, prompts, hf_reference):
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         # The 40-token shared prefix's two full blocks are now cached and revivable.
         probe = Sequence(prompts[5], GREEDY, 16)
-        assert len(llm.scheduler.block_manager.cached_prefix(probe)) == 2
+        assert len(llm.llm_engine.scheduler.block_manager.cached_prefix(probe)) == 2
         second = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in first] == hf_reference
     assert [o["token_ids"] for o in second] == hf_reference[::-1]
@@ -90,13 +90,13 @@ def test_reset_prefix_cache_computes_prompts_in_full_again(tiny_model, prompts, 
         llm.generate(prompts, GREEDY, use_tqdm=False)
         llm.reset_prefix_cache()
         cached_tokens = []  # of each sequence as it is admitted
-        allocate = llm.scheduler.block_manager.allocate
+        allocate = llm.llm_engine.scheduler.block_manager.allocate
 
         def spy(seq, cached):
             allocate(seq, cached)
             cached_tokens.append(seq.num_cached_tokens)
 
-        llm.scheduler.block_manager.allocate = spy
+        llm.llm_engine.scheduler.block_manager.allocate = spy
         again = llm.generate(prompts, GREEDY, use_tqdm=False)
     # Without the reset, the repeated prompts and the 40-token shared prefix would hit (the test
     # above); within this batch, only prompts admitted after an earlier one's prefill may.
@@ -132,11 +132,11 @@ def test_eos_stops_generation(tiny_model, prompts, hf_reference):
     # Pretend the 5th greedy token of prompt 0 is EOS: generation must stop right after it.
     eos = hf_reference[0][4]
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
-        llm.scheduler.eos_token_ids = {eos}
+        llm.llm_engine.scheduler.eos_token_ids = {eos}
         params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS)
         (out,) = llm.generate([prompts[0]], params, use_tqdm=False)
         # The step launched before EOS came back is dropped, its extra block freed with the rest.
-        assert llm.scheduler.block_manager.num_free_blocks == 64
+        assert llm.llm_engine.scheduler.block_manager.num_free_blocks == 64
     first = hf_reference[0].index(eos)
     assert out["token_ids"] == hf_reference[0][:first + 1]
     assert out["finish_reason"] == "stop"
@@ -146,14 +146,14 @@ def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_refe
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, attention_backend="triton",
              max_num_batched_tokens=40) as llm:
         orders = []  # (context lengths, decode order) of each decode step
-        prepare = llm.model_runner.inputs.prepare_decode
+        prepare = llm.llm_engine.model_runner.inputs.prepare_decode
 
         def spy(seqs, *args):
             input_ids, positions, meta = prepare(seqs, *args)
             orders.append((meta.context_lens.tolist(), meta.decode_order.tolist()))
             return input_ids, positions, meta
 
-        llm.model_runner.inputs.prepare_decode = spy
+        llm.llm_engine.model_runner.inputs.prepare_decode = spy
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outputs = llm.generate(prompts[:6], params, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [ref[:8] for ref in hf_reference[:6]]
@@ -166,14 +166,14 @@ def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_refe
 def count_inflight_inputs(llm) -> list[tuple[int, int]]:
     """Spy on decode input preparation: (inputs still in flight, batch size) of each decode step."""
     counts = []
-    prepare = llm.model_runner.inputs.prepare_decode
+    prepare = llm.llm_engine.model_runner.inputs.prepare_decode
 
     def spy(seqs, *args):
         inflight = sum(seq.scheduled_token_ids()[0] == PLACEHOLDER for seq in seqs)
         counts.append((inflight, len(seqs)))
         return prepare(seqs, *args)
 
-    llm.model_runner.inputs.prepare_decode = spy
+    llm.llm_engine.model_runner.inputs.prepare_decode = spy
     return counts
 
 

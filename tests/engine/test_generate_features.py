@@ -22,13 +22,13 @@ def llm(tiny_model):
 @pytest.fixture
 def eos_is(llm):
     """Pretend `token` is the EOS token (the random model rarely samples the real one)."""
-    saved = llm.eos_token_ids, llm.scheduler.eos_token_ids
+    saved = llm.llm_engine.eos_token_ids, llm.llm_engine.scheduler.eos_token_ids
 
     def set_eos(token: int):
-        llm.eos_token_ids = llm.scheduler.eos_token_ids = {token}
+        llm.llm_engine.eos_token_ids = llm.llm_engine.scheduler.eos_token_ids = {token}
 
     yield set_eos
-    llm.eos_token_ids, llm.scheduler.eos_token_ids = saved
+    llm.llm_engine.eos_token_ids, llm.llm_engine.scheduler.eos_token_ids = saved
 
 
 def generate(llm, prompts, params):
@@ -136,7 +136,8 @@ def test_stop_string_split_across_tokens(llm, prompts, include):
     assert out["token_ids"] == tokens[:n]  # ended at the token completing the stop string...
     before = llm.tokenizer.decode(tokens[:n - 1], skip_special_tokens=True)
     assert stop[0] in before[at:]  # ...split over two
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks  # freed
+    engine = llm.llm_engine
+    assert engine.scheduler.block_manager.num_free_blocks == engine.num_kvcache_blocks  # freed
 
 
 def test_stop_string_respects_min_tokens(llm, prompts):
@@ -225,7 +226,7 @@ def test_stream_concatenates_to_generate(llm, prompts):
         assert (got["finish_reason"], got["stop_reason"], got["done"]) == (
             out["finish_reason"], out["stop_reason"], 1)
     assert expected[0]["stop_reason"] == stop and expected[1]["finish_reason"] == "length"
-    assert llm.scheduler.is_finished()
+    assert llm.llm_engine.scheduler.is_finished()
 
 
 def test_stream_never_splits_a_character(llm, monkeypatch):
@@ -234,7 +235,7 @@ def test_stream_never_splits_a_character(llm, monkeypatch):
     target = "héllo wörld ✓ 日本"
     script = llm.tokenizer.encode(target)
     assert len(script) > len(target) + 5
-    model = llm.model_runner.model
+    model = llm.llm_engine.model_runner.model
     inner = model.compute_logits
     step = iter(range(10**6))
 
@@ -287,8 +288,9 @@ def test_closing_a_stream_early_frees_its_requests(llm, prompts):
     stream = llm.stream(prompts[:3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     next(stream)
     stream.close()
-    assert llm.scheduler.is_finished()
-    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+    assert llm.llm_engine.scheduler.is_finished()
+    engine = llm.llm_engine
+    assert engine.scheduler.block_manager.num_free_blocks == engine.num_kvcache_blocks
 
 
 def test_request_validation_is_atomic(llm, prompts):
@@ -297,4 +299,4 @@ def test_request_validation_is_atomic(llm, prompts):
         llm.stream(prompts[:2], [GREEDY, SamplingParams(stop_token_ids=[5, 320])])
     with pytest.raises(TypeError, match="temperature must be a float"):
         llm.generate(prompts[:2], [GREEDY, SamplingParams(temperature=None)])
-    assert llm.scheduler.is_finished()
+    assert llm.llm_engine.scheduler.is_finished()

@@ -43,7 +43,7 @@ def hf_home(tmp_path, monkeypatch):
 def test_repo_id_runs_from_the_offline_cache(hf_home, tiny_model, prompts, hf_reference):
     snapshot = add_snapshot(hf_home, "org/tiny", tiny_model, MAIN_SHA)
     with LLM("org/tiny", kvcache_block_size=16, num_kvcache_blocks=64) as llm:
-        assert llm.config.model == snapshot
+        assert llm.llm_engine.config.model == snapshot
         (output,) = llm.generate([prompts[1]], SamplingParams(
             temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     assert output["token_ids"] == hf_reference[1]

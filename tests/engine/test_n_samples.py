@@ -33,7 +33,7 @@ def llm(tiny_model):
 
 
 def pool_is_empty(llm) -> bool:
-    bm = llm.scheduler.block_manager
+    bm = llm.llm_engine.scheduler.block_manager
     bm.check_integrity([])
     return bm.num_free_blocks == bm.num_blocks
 
@@ -44,7 +44,7 @@ def test_greedy_samples_match_transformers_prefilled_once(tiny_model, fork_promp
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256,
              **options) as llm:
         outputs = llm.generate(fork_prompts, GREEDY, use_tqdm=False)
-        assert llm.num_prefilled_tokens == sum(len(p) for p in fork_prompts)
+        assert llm.llm_engine.num_prefilled_tokens == sum(len(p) for p in fork_prompts)
         assert pool_is_empty(llm)
     assert [[o["token_ids"] for o in samples] for samples in outputs] == [
         [expected] * 4 for expected in hf_fork_reference]
@@ -53,7 +53,7 @@ def test_greedy_samples_match_transformers_prefilled_once(tiny_model, fork_promp
 def test_n_samples_under_preemption(tiny_model, fork_prompts, hf_fork_reference):
     # 3 prompts x 3 samples of up to 4 blocks each cannot all fit in 9 blocks.
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=9, max_model_len=256) as llm:
-        counter = PreemptionCounter(llm.scheduler)
+        counter = PreemptionCounter(llm.llm_engine.scheduler)
         params = SamplingParams(n=3, temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
         outputs = llm.generate(fork_prompts, params, use_tqdm=False)
         assert pool_is_empty(llm)
@@ -96,19 +96,17 @@ def test_output_shape(llm, fork_prompts):
 
 def test_abort_before_and_after_the_fork(llm, fork_prompts):
     params = SamplingParams(n=3, temperature=1.0, max_tokens=20, ignore_eos=True)
-    seqs = llm.make_sequences([fork_prompts[0]], params)
-    llm._add(seqs)
-    llm._abort(seqs[:1])  # before any step: its pending samples end with it
+    seqs = llm.llm_engine.add(llm.make_requests([fork_prompts[0]], params))
+    llm.llm_engine.abort(seqs[:1])  # before any step: its pending samples end with it
     assert [s.finish_reason for s in seqs] == ["abort"] * 3 and llm.is_finished()
     stream = llm.stream(fork_prompts, params)
     for _ in range(4):
         next(stream)
-    assert any(len(seq.block_table) for seq in llm.scheduler.running)
+    assert any(len(seq.block_table) for seq in llm.llm_engine.scheduler.running)
     stream.close()  # forked samples in flight, and pending ones, all end
     assert llm.is_finished() and pool_is_empty(llm)
-    seqs = llm.make_sequences([fork_prompts[0]], params)
-    llm._add(seqs)
-    llm._abort(seqs[2:])  # a pending sample alone: the others run on
+    seqs = llm.llm_engine.add(llm.make_requests([fork_prompts[0]], params))
+    llm.llm_engine.abort(seqs[2:])  # a pending sample alone: the others run on
     outputs = llm.generate(fork_prompts[1], SamplingParams(max_tokens=2), use_tqdm=False)
     assert outputs[0]["finish_reason"] == "length"
     while not all(seq.is_finished for seq in seqs[:2]):

@@ -30,8 +30,8 @@ def tokens(llm, prompts, params=None) -> list[list[int]]:
 
 
 def assert_nothing_queued(llm):
-    assert not llm.scheduler.waiting and not llm.scheduler.running
-    assert llm.scheduler.block_manager.num_free_blocks == 16
+    assert not llm.llm_engine.scheduler.waiting and not llm.llm_engine.scheduler.running
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == 16
 
 
 # ---- SamplingParams edited after construction ---------------------------------------------------
@@ -134,10 +134,10 @@ SKIP_MESSAGE = "the engine was started with skip_tokenizer_init=True, so it has 
 def test_skip_tokenizer_init_takes_token_ids_and_refuses_text(tiny_model):
     with LLM(tiny_model, **OPTIONS) as llm:
         expected = tokens(llm, [PROMPT, OTHER])
-        expected_eos = llm.eos_token_ids
+        expected_eos = llm.llm_engine.eos_token_ids
     with LLM(tiny_model, skip_tokenizer_init=True, **OPTIONS) as llm:
         with open(os.path.join(tiny_model, "generation_config.json")) as f:
-            assert llm.eos_token_ids == expected_eos == {json.load(f)["eos_token_id"]}
+            assert llm.llm_engine.eos_token_ids == expected_eos == {json.load(f)["eos_token_id"]}
         refused = (lambda: llm.generate(["hello"], SamplingParams(**GREEDY), use_tqdm=False),
                    lambda: llm.add_request("hello", SamplingParams(**GREEDY)),
                    lambda: llm.chat([{"role": "user", "content": "hi"}], SamplingParams(**GREEDY)),
@@ -165,7 +165,7 @@ def test_skip_tokenizer_init_takes_eos_ids_from_the_config_files(tiny_model, tmp
         with open(path / name, "w") as f:
             json.dump({**config, "eos_token_id": [eos] if "generation" in name else eos}, f)
     with LLM(str(path), skip_tokenizer_init=True, **OPTIONS) as llm:
-        assert llm.eos_token_ids == {eos}
+        assert llm.llm_engine.eos_token_ids == {eos}
         (out,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8),
                               use_tqdm=False)
     assert out["token_ids"] == baseline[:baseline.index(eos) + 1]

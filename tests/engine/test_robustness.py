@@ -124,7 +124,8 @@ def test_bad_options(tiny_model, options, error, message):
 def test_max_model_len_is_capped_by_the_checkpoint(tiny_model):
     with LLM(tiny_model, max_model_len=100_000, num_kvcache_blocks=8,
              kvcache_block_size=16) as engine:
-        assert engine.config.max_model_len == 1024  # the checkpoint's max_position_embeddings
+        # the checkpoint's max_position_embeddings
+        assert engine.llm_engine.config.max_model_len == 1024
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
@@ -154,21 +155,22 @@ def test_bad_sampling_params(kwargs, error, message):
     ([[1] * 100], SamplingParams(max_tokens=29), ValueError, "= 129 exceeds max_model_len=128"),
 ])
 def test_bad_requests_are_rejected_before_anything_is_queued(llm, prompts, params, error, message):
-    before = dict(llm.scheduler.block_manager.hash_to_block_id)
+    before = dict(llm.llm_engine.scheduler.block_manager.hash_to_block_id)
     with pytest.raises(error, match=message):
         llm.generate(prompts, params, use_tqdm=False)
-    assert not llm.scheduler.waiting and not llm.scheduler.running
-    assert llm.scheduler.block_manager.hash_to_block_id == before
-    assert llm.scheduler.block_manager.num_free_blocks == 16
+    assert not llm.llm_engine.scheduler.waiting and not llm.llm_engine.scheduler.running
+    assert llm.llm_engine.scheduler.block_manager.hash_to_block_id == before
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == 16
 
 
 def test_engine_keeps_working_with_its_prefix_cache_after_a_bad_batch(llm, prompts, hf_reference):
     good = llm.generate([prompts[5]], GREEDY, use_tqdm=False)
-    cached = llm.scheduler.block_manager.cached_prefix(Sequence(prompts[5], GREEDY, 16))
+    cached = llm.llm_engine.scheduler.block_manager.cached_prefix(Sequence(prompts[5], GREEDY, 16))
     assert len(cached) == 2
     with pytest.raises(ValueError):
         llm.generate([prompts[5], [999]], GREEDY, use_tqdm=False)
-    assert llm.scheduler.block_manager.cached_prefix(Sequence(prompts[5], GREEDY, 16)) == cached
+    block_manager = llm.llm_engine.scheduler.block_manager
+    assert block_manager.cached_prefix(Sequence(prompts[5], GREEDY, 16)) == cached
     again = llm.generate([prompts[5]], GREEDY, use_tqdm=False)
     assert good[0]["token_ids"] == again[0]["token_ids"] == hf_reference[5][:8]
 
@@ -178,7 +180,7 @@ def test_request_larger_than_the_pool_is_rejected_with_the_numbers(tiny_model):
         with pytest.raises(ValueError,
                            match="needs 5 KV blocks of 16 tokens .* but the pool has only 4"):
             engine.generate([[1] * 60], SamplingParams(max_tokens=20), use_tqdm=False)
-        assert engine.scheduler.is_finished()
+        assert engine.llm_engine.scheduler.is_finished()
 
 
 def test_batch_three_times_the_pool_completes_identically(tiny_model, prompts):
@@ -188,7 +190,7 @@ def test_batch_three_times_the_pool_completes_identically(tiny_model, prompts):
         expected = [o["token_ids"] for o in big.generate(requests, params, use_tqdm=False)]
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=6) as small:
         outputs = [o["token_ids"] for o in small.generate(requests, params, use_tqdm=False)]
-        assert small.scheduler.block_manager.num_free_blocks == 6
+        assert small.llm_engine.scheduler.block_manager.num_free_blocks == 6
     assert outputs == expected
 
 
@@ -212,7 +214,7 @@ def test_failing_step_surfaces_and_releases_the_engine(tiny_model):
     def broken_forward(*args, **kwargs):
         raise RuntimeError("kernel failed")
 
-    engine.model_runner.model.forward = broken_forward
+    engine.llm_engine.model_runner.model.forward = broken_forward
     with pytest.raises(RuntimeError, match="kernel failed"):
         engine.generate(["hi"], GREEDY, use_tqdm=False)
     assert not torch.distributed.is_initialized()

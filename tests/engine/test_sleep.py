@@ -14,7 +14,7 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def weight_bytes(llm) -> int:
-    return sum(p.untyped_storage().nbytes() for p in llm.model_runner.model.parameters())
+    return sum(p.untyped_storage().nbytes() for p in llm.llm_engine.model_runner.model.parameters())
 
 
 @pytest.mark.cpu_suite
@@ -23,7 +23,7 @@ def test_sleep_and_wake_on_cpu(tiny_model, prompts):
         before = tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False))
         weights = weight_bytes(llm)
         llm.sleep(1)
-        assert llm.model_runner.kv_cache.untyped_storage().nbytes() == 0
+        assert llm.llm_engine.model_runner.kv_cache.untyped_storage().nbytes() == 0
         assert weight_bytes(llm) == weights  # on the CPU, already in host memory
         with pytest.raises(RuntimeError, match=r"asleep \(sleep\(level=1\)\): call wake_up"):
             llm.generate(prompts[:1], GREEDY, use_tqdm=False)

@@ -76,7 +76,7 @@ def llm(tiny_model):
 
 
 def weights_of(llm) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in llm.model_runner.model.state_dict().items()}
+    return {k: v.clone() for k, v in llm.llm_engine.model_runner.model.state_dict().items()}
 
 
 @pytest.mark.parametrize("bad,error,message", [

@@ -233,7 +233,7 @@ def test_decoder_attention_fused_path_matches_torch_path(family, tiny_model, tmp
         path = str(tmp_path)
         write_tiny_llama(path)
     with LLM(path, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
-        attn = llm.model_runner.model.model.layers[1].self_attn
+        attn = llm.llm_engine.model_runner.model.model.layers[1].self_attn
         weight = attn.qkv_proj.weight
         qkv = torch.randn(5, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim).to(weight)
         positions = torch.tensor([0, 1, 17, 500, 1023], device=weight.device)

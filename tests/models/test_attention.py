@@ -349,6 +349,6 @@ def test_fp8_engine_on_cuda(tiny_model, prompts):
     for eager in (True, False):
         with LLM(tiny_model, kv_cache_dtype="fp8", enforce_eager=eager, max_num_seqs=20,
                  kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=512) as llm:
-            assert llm.config.attention_backend == "triton"
+            assert llm.llm_engine.config.attention_backend == "triton"
             tokens[eager] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert tokens[True] == tokens[False]

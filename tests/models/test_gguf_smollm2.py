@@ -56,7 +56,7 @@ def test_chat_uses_the_files_template(smollm2, transformers_smollm2):
 @needs_cuda
 def test_gguf_runs_on_the_gpu_in_bfloat16(smollm2_gguf):
     with LLM(smollm2_gguf, max_model_len=512) as llm:
-        assert llm.config.dtype == "bfloat16"  # the default for a GGUF on CUDA
+        assert llm.llm_engine.config.dtype == "bfloat16"  # the default for a GGUF on CUDA
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert "Paris" in outputs[0]["text"]
     assert [len(o["token_ids"]) for o in outputs] == [NUM_TOKENS] * len(PROMPTS)

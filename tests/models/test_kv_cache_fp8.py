@@ -40,7 +40,7 @@ def test_fp8_pool_holds_about_twice_the_tokens(tiny_model, tiny_model_head_dim_1
     for kv_cache_dtype in ("auto", "fp8"):
         with LLM(path, device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
                  kvcache_block_size=16) as llm:
-            blocks[kv_cache_dtype] = llm.num_kvcache_blocks
+            blocks[kv_cache_dtype] = llm.llm_engine.num_kvcache_blocks
     # 2 layers, 2 KV heads, 16 tokens a block, K and V: bf16 values, or fp8 values + a float32 scale
     assert blocks["auto"] == budget // (2 * 2 * 16 * 2 * head_dim * 2)
     assert blocks["fp8"] == budget // (2 * 2 * 16 * 2 * (head_dim + 4))
@@ -63,7 +63,7 @@ def test_fp8_pool_starts_without_nan(tiny_model, monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_empty)
     for kv_cache_dtype in ("auto", "fp8"):
         with LLM(tiny_model, kv_cache_dtype=kv_cache_dtype, **OPTIONS) as llm:
-            pool = llm.model_runner.kv_cache
+            pool = llm.llm_engine.model_runner.kv_cache
             assert pool.float().isnan().any() == (kv_cache_dtype == "auto")
 
 
@@ -148,7 +148,7 @@ def test_fp8_chunked_prefill_dequantizes_the_prefix(tiny_model, monkeypatch):
     for backend in ("triton", "torch"):
         with LLM(tiny_model, kv_cache_dtype="fp8", attention_backend=backend,
                  max_num_batched_tokens=150, **options) as llm:
-            workspace = llm.model_runner.inputs.dequant_workspace
+            workspace = llm.llm_engine.model_runner.inputs.dequant_workspace
             if backend == "triton":  # K and V of max_model_len tokens, 2 kv heads of 16
                 assert workspace.shape == (2, 512, 2, 16) and workspace.dtype == torch.float32
             else:

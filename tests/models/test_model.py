@@ -13,18 +13,18 @@ pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see
 
 def our_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits at every position of every prompt from one batched prefill."""
-    runner = llm.model_runner
+    runner = llm.llm_engine.model_runner
     seqs = []
     for prompt in prompts:
-        seq = Sequence(prompt, SamplingParams(), llm.config.kvcache_block_size)
-        llm.scheduler.block_manager.allocate(seq, [])
+        seq = Sequence(prompt, SamplingParams(), llm.llm_engine.config.kvcache_block_size)
+        llm.llm_engine.scheduler.block_manager.allocate(seq, [])
         seq.num_scheduled_tokens = len(prompt)
         seqs.append(seq)
     input_ids, positions, meta, _ = runner.inputs.prepare_prefill(seqs)
     with torch.inference_mode():
         logits = runner.model.compute_logits(runner.model(input_ids, positions, meta))
     for seq in seqs:
-        llm.scheduler.block_manager.deallocate(seq)
+        llm.llm_engine.scheduler.block_manager.deallocate(seq)
     return list(logits.split([len(p) for p in prompts]))
 
 

@@ -77,7 +77,7 @@ def test_layer_kinds_and_logits_match_transformers(variant, prompts, tmp_path):
     write_tiny_qwen3_moe(path, seed=3, **(TOP1_SPARSE_STEP_2 if variant != "top2" else {}))
     hf = _hf_model(path)
     with LLM(path, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
-        layers = llm.model_runner.model.model.layers
+        layers = llm.llm_engine.model_runner.model.model.layers
         ours = our_logits(llm, prompts[:6])
     theirs = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers]
     assert [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in layers] == theirs

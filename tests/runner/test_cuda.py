@@ -142,7 +142,7 @@ def test_killed_worker_raises_instead_of_hanging_in_nccl(tiny_bf16):
 
 def test_memory_profiled_pool(tiny_bf16):
     with LLM(tiny_bf16, gpu_memory_utilization=0.5) as llm:
-        blocks = llm.num_kvcache_blocks
+        blocks = llm.llm_engine.num_kvcache_blocks
         used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
     total = torch.cuda.mem_get_info()[1]
     assert blocks > 0
@@ -185,7 +185,8 @@ def test_sampler_graphs_sample_what_the_eager_sampler_does(tiny_bf16, prompts):
         with LLM(tiny_bf16, max_model_len=256, enforce_eager=eager) as llm:
             outputs[eager] = llm.generate(prompts, batch, use_tqdm=False)
             if not eager:
-                assert llm.model_runner.sampler_graphs.captured  # the graphs did the sampling
+                # the graphs did the sampling
+                assert llm.llm_engine.model_runner.sampler_graphs.captured
     for want, got in zip(outputs[True], outputs[False]):
         assert got["token_ids"] == want["token_ids"]
         assert ("logprobs" in got) == ("logprobs" in want)

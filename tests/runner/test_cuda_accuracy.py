@@ -24,7 +24,7 @@ def test_float32_on_cuda_equals_transformers(fixture, enforce_eager, prompts, re
     path = request.getfixturevalue(fixture)
     expected = hf_greedy(path, prompts, GREEDY.max_tokens, torch.float32)
     with LLM(path, dtype="float32", enforce_eager=enforce_eager, max_model_len=512) as llm:
-        assert llm.config.attention_backend == "triton"
+        assert llm.llm_engine.config.attention_backend == "triton"
         ours = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=16)
         first, again = (llm.generate(prompts, seeded, use_tqdm=False) for _ in range(2))

@@ -37,7 +37,7 @@ def test_packed_arrays_come_back_equal_and_aligned():
 def test_a_step_copies_its_inputs_to_the_device_once(tiny_model, prompts):
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64,
              attention_backend="triton") as llm:
-        inputs, graphs = llm.model_runner.inputs, llm.model_runner.graphs
+        inputs, graphs = llm.llm_engine.model_runner.inputs, llm.llm_engine.model_runner.graphs
         copies, steps = [], []
         # Every copy, by the inputs' to_device or, in a decode step with graphs, by the graphs'.
         for copier in (inputs, graphs) if graphs is not None else (inputs,):
@@ -66,11 +66,11 @@ def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model, temperature
     capture (temperatures and seed too, when graphs sample; block tables last, 3 wide)."""
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64,
              attention_backend="triton") as llm:
-        inputs = llm.model_runner.inputs
+        inputs = llm.llm_engine.model_runner.inputs
         inputs.decode_temperatures = temperatures
         inputs.seed = 12345
-        seqs = llm.make_sequences([[5, 6, 7], list(range(1, 21))],
-                                  [SamplingParams(temperature=0.5), SamplingParams(temperature=0)])
+        seqs = llm.llm_engine.add(llm.make_requests([[5, 6, 7], list(range(1, 21))],
+                                  [SamplingParams(temperature=0.5), SamplingParams(temperature=0)]))
         for block, seq in enumerate(seqs):  # as the scheduler leaves them for a decode step
             seq.block_table = [2 * block + 1, 2 * block + 2][:seq.num_blocks]
             seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1

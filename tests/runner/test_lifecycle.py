@@ -36,7 +36,7 @@ def generating_forever(tiny_model: str) -> str:
                       num_kvcache_blocks=64)
             params = SamplingParams(max_tokens=40, ignore_eos=True)
             llm.generate([[1, 2, 3]], params, use_tqdm=False)
-            print(llm.processes[0].pid, llm.channel.base_name, flush=True)
+            print(llm.llm_engine.processes[0].pid, llm.llm_engine.channel.base_name, flush=True)
             while True:
                 llm.generate([[1, 2, 3]], params, use_tqdm=False)
     """

@@ -43,10 +43,10 @@ def test_greedy_forks_agree_and_prefill_once(tiny_bf16, prompts, options):
     with LLM(tiny_bf16, max_model_len=1024, **options) as llm:
         single = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
         llm.reset_prefix_cache()
-        prefilled = llm.num_prefilled_tokens
+        prefilled = llm.llm_engine.num_prefilled_tokens
         n3 = SamplingParams(n=3, temperature=0, max_tokens=16, ignore_eos=True)
         forked = tokens(llm.generate(prompts, n3, use_tqdm=False))
-        assert llm.num_prefilled_tokens - prefilled == sum(len(p) for p in prompts)
+        assert llm.llm_engine.num_prefilled_tokens - prefilled == sum(len(p) for p in prompts)
     # A sample reading a wrongly copied last block would part from its parent at once.
     assert all(samples == [samples[0]] * 3 for samples in forked)
     # The same prefill batch: the first tokens come from the same logits.
@@ -57,7 +57,7 @@ def test_update_weights_under_cuda_graphs(tiny_bf16, tiny_bf16_b, prompts):
     with LLM(tiny_bf16_b, max_model_len=1024) as fresh:
         expected_b = tokens(fresh.generate(prompts, GREEDY, use_tqdm=False))
     with LLM(tiny_bf16, max_model_len=1024) as llm:
-        replays = count_replays(llm.model_runner.graphs)
+        replays = count_replays(llm.llm_engine.model_runner.graphs)
         under_a = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
         weights_b = {k: v.cuda() for k, v in load_file(f"{tiny_bf16_b}/model.safetensors").items()}
         llm.update_weights(weights_b)
@@ -70,7 +70,7 @@ def test_update_weights_under_cuda_graphs(tiny_bf16, tiny_bf16_b, prompts):
 
 def test_sleep_frees_memory_and_graphs_work_after_waking(tiny_bf16, prompts):
     with LLM(tiny_bf16, max_model_len=1024, num_kvcache_blocks=64) as llm:
-        runner = llm.model_runner
+        runner = llm.llm_engine.model_runner
         before = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
         kv_bytes = runner.kv_cache.nbytes
         weights = sum(p.nbytes for p in runner.model.parameters())

@@ -104,12 +104,12 @@ def test_tp_size_that_does_not_divide_heads_is_an_error(tiny_model):
 def check_killed_worker_raises(llm: LLM, max_tokens: int):
     """Kill rank 1 mid-generate: within seconds a step raises WorkerDiedError naming it, the
     engine is closed and its shared-memory segment gone."""
-    segment = llm.channel.base_name
+    segment = llm.llm_engine.channel.base_name
     assert glob.glob(f"/dev/shm/{segment}*")
     for prompt in ([1, 2, 3], [4, 5]):
         llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     llm.step()
-    llm.processes[0].kill()
+    llm.llm_engine.processes[0].kill()
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match="worker rank 1 died"):
         while True:
@@ -166,7 +166,7 @@ def test_ctrl_c_leaves_no_worker_or_segment(tiny_model, tmp_path):
         if __name__ == "__main__":
             llm = LLM({tiny_model!r}, tensor_parallel_size=2, kvcache_block_size=16,
                       num_kvcache_blocks=64)
-            print(llm.processes[0].pid, llm.channel.base_name, flush=True)
+            print(llm.llm_engine.processes[0].pid, llm.llm_engine.channel.base_name, flush=True)
             while True:
                 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=40, ignore_eos=True),
                              use_tqdm=False)
