@@ -5,11 +5,64 @@ import os
 from dataclasses import dataclass, field
 
 from nanovllm.checkpoint.hf_config import head_dim, load_hf_config
+from nanovllm.sampling_params import MAX_LOGPROBS
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: e4m3 with a scale per token and kv head
+TOKENIZER_MODES = ("auto", "slow")
+
+
+# vLLM's names for options this engine has under another name.
+ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks",
+           "enable_expert_parallel": "expert_parallel"}
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # dummy: random weights, loaded later
+
+
+def _any(value) -> bool:
+    return True
+
+
+# vLLM options that change nothing here: the values this engine honours, and why others fail.
+INERT_OPTIONS = {
+    "trust_remote_code": (_any, "the supported architectures are built in"),
+    "enable_sleep_mode": (_any, "sleep() is always available"),
+    "disable_custom_all_reduce": (_any, "there is no custom all-reduce"),
+    "disable_mm_preprocessor_cache": (_any, "models are text-only"),
+    "disable_log_stats": (_any, "no statistics are logged"),
+    "enable_chunked_prefill": (_any, "prefill is always chunked; outputs do not change"),
+    "swap_space": (_any, "preemption recomputes: nothing is swapped"),
+    "max_seq_len_to_capture": (_any, "the decode graphs cover max_model_len"),
+    "compilation_config": (_any, "the decode step runs as CUDA graphs, without torch.compile"),
+    "distributed_executor_backend": (lambda v: v in ("mp", "uni"),
+                                     "tensor-parallel ranks are processes ('mp')"),
+    "model_impl": (lambda v: v in ("auto", "vllm"), "the models are this engine's own"),
+    "quantization": (lambda v: False, "quantized weights are not supported (GGUF is dequantized)"),
+    "enable_lora": (lambda v: v is False, "LoRA adapters are not supported"),
+    "pipeline_parallel_size": (lambda v: v == 1, "pipeline parallelism is not supported"),
+    "cpu_offload_gb": (lambda v: v == 0, "weights are not offloaded to the CPU"),
+}
+
+
+def vllm_options(options: dict) -> dict:
+    """The options as this engine names them: vLLM's aliases renamed, None meaning the default,
+    options that change nothing here dropped (a value this engine cannot honour raises a
+    ValueError naming the option and why), torch dtypes as strings."""
+    options = {ALIASES.get(name, name): value for name, value in options.items()
+               if value is not None}
+    for name, (honoured, why) in INERT_OPTIONS.items():
+        if name in options and not honoured(value := options.pop(name)):
+            raise ValueError(f"{name}={value!r} is not supported: {why}")
+    dtype = options.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        options["dtype"] = str(dtype).removeprefix("torch.")
+    if isinstance(options.get("dtype"), str):
+        options["dtype"] = DTYPE_ALIASES.get(options["dtype"], options["dtype"])
+    if options.get("kv_cache_dtype") == "fp8_e4m3":
+        options["kv_cache_dtype"] = "fp8"
+    return options
 
 
 def option_names() -> list[str]:
@@ -44,11 +97,19 @@ class Config:
     expert_parallel: bool = False  # MoE: whole experts per rank instead of slices of each
     revision: str | None = None  # of a Hugging Face repo id
     gguf_file: str | None = None  # the .gguf file in a repo or directory
+    seed: int | None = None  # seeds the sampling noise: requests without a seed repeat too
+    enable_prefix_caching: bool = True
+    tokenizer: str | None = None  # a tokenizer other than the checkpoint's (a path or repo id)
+    tokenizer_mode: str = "auto"  # "slow": the Python tokenizer instead of the fast one
+    tokenizer_revision: str | None = None
+    load_format: str = "auto"  # "dummy": random weights, for update_weights to fill
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
     hf_config: object = field(init=False, repr=False)
 
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":
         """Build a Config, rejecting unknown option names with a clear TypeError."""
+        options = vllm_options(options)
         check_option_names(options)
         return cls(model, **options)
 
@@ -68,7 +129,7 @@ class Config:
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError("model must be a checkpoint directory, a .gguf file or a Hugging Face "
                             f"repo id, got {type(self.model).__name__}")
-        for name in ("revision", "gguf_file"):
+        for name in ("revision", "gguf_file", "tokenizer", "tokenizer_revision"):
             if not isinstance(getattr(self, name), str | None):
                 raise TypeError(f"{name} must be a str or None, got {getattr(self, name)!r}")
         self.model = os.path.expanduser(os.fspath(self.model))
@@ -80,12 +141,20 @@ class Config:
         utilization = self.gpu_memory_utilization
         if not isinstance(utilization, (int, float)) or isinstance(utilization, bool):
             raise TypeError(f"gpu_memory_utilization must be a float, got {utilization!r}")
-        for name in ("enforce_eager", "skip_tokenizer_init", "expert_parallel"):
+        for name in ("enforce_eager", "skip_tokenizer_init", "expert_parallel",
+                     "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise TypeError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        if self.max_logprobs not in range(MAX_LOGPROBS + 1) or isinstance(self.max_logprobs, bool):
+            raise ValueError(f"max_logprobs must be an int in [0, {MAX_LOGPROBS}], got "
+                             f"{self.max_logprobs!r}")
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
                               ("attention_backend", ATTENTION_BACKENDS),
-                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
+                              ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("tokenizer_mode", TOKENIZER_MODES), ("load_format", LOAD_FORMATS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}")

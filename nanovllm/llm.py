@@ -4,14 +4,15 @@
 from collections.abc import Callable, Iterator
 from itertools import count
 from time import perf_counter
-from typing import Any
 
 from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import LLMEngine, StepResult
 from nanovllm.engine.outputs import StreamOutput
 from nanovllm.engine.requests import Request, make_requests
+from nanovllm.outputs import RequestOutput
 from nanovllm.ray.data_parallel import DATA_PARALLEL_OPTIONS, DataParallelEngine, uses_ray
+from nanovllm.sampling_params import SamplingParams
 
 PROGRESS_REFRESH_SECONDS = 0.1
 
@@ -22,9 +23,11 @@ def _is_conversation(messages) -> bool:
         for m in messages)
 
 
-def conversation_prompts(tokenizer, messages) -> list[list[int]]:
+def conversation_prompts(tokenizer, messages, chat_template: str | None = None,
+                         add_generation_prompt: bool = True) -> list[list[int]]:
     """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered by the
-    chat template with the assistant's turn opened, as token ids."""
+    chat template (the tokenizer's, or `chat_template`) with the assistant's turn opened, as
+    token ids."""
     is_one = isinstance(messages, list) and messages and isinstance(messages[0], dict)
     conversations = [messages] if is_one else messages
     if not isinstance(conversations, (list, tuple)) or not conversations:
@@ -36,8 +39,19 @@ def conversation_prompts(tokenizer, messages) -> list[list[int]]:
                             f"{{'role': str, 'content': str}} dicts, got {conversation!r}")
     # The chat template places the special tokens, so encoding adds none (as vLLM).
     return [tokenizer.encode(
-        tokenizer.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True),
+        tokenizer.apply_chat_template(list(c), chat_template=chat_template, tokenize=False,
+                                      add_generation_prompt=add_generation_prompt),
         add_special_tokens=False) for c in conversations]
+
+
+def _as_token_prompts(prompt_token_ids) -> list:
+    """generate(prompt_token_ids=...): one token-id list or a list of them, as TokensPrompts."""
+    ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise TypeError(f"prompt_token_ids must be a token-id list or a list of them, got "
+                        f"{prompt_token_ids!r}")
+    batch = ids if isinstance(ids[0], (list, tuple)) or hasattr(ids[0], "tolist") else [ids]
+    return [{"prompt_token_ids": p} for p in batch]
 
 
 def throughput_postfix(prefill_tokens: int, prefill_seconds: float, decode_tokens: int,
@@ -106,17 +120,37 @@ class LLM:
         return make_requests(prompts, sampling_params, self.tokenizer, self.llm_engine.limits,
                              self._request_ids)
 
-    def generate(self, prompts, sampling_params,
-                 use_tqdm: bool | Callable[..., tqdm] = True) -> list:
-        """Run a batch to completion; per prompt in input order a dict (a list of n for n > 1).
-        Other callers' requests share the steps. `use_tqdm` may be a tqdm-like factory."""
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    def generate(self, prompts=None, sampling_params=None,
+                 use_tqdm: bool | Callable[..., tqdm] = True, lora_request=None, *,
+                 prompt_token_ids=None) -> list[RequestOutput]:
+        """Run a batch to completion: a RequestOutput per prompt, in input order. `prompts`: a
+        str, a token-id list, a TextPrompt / TokensPrompt dict, or a list mixing them (older
+        vLLM: `prompt_token_ids=`); `sampling_params`: one, one per prompt, or None for the
+        defaults. Other callers' requests share the steps. `use_tqdm` may be a tqdm factory."""
+        prompts = self._prompts(prompts, prompt_token_ids, lora_request)
         outputs = dict(self.as_completed(prompts, sampling_params, use_tqdm))
         return [outputs[i] for i in range(len(outputs))]
 
-    def as_completed(self, prompts, sampling_params,
-                     use_tqdm: bool | Callable[..., tqdm] = False) -> Iterator[tuple[int, Any]]:
-        """generate's outputs as each prompt's completes: (its index, its output). The batch is
-        checked now; closing the iterator early aborts the prompts not yet completed."""
+    @staticmethod
+    def _prompts(prompts, prompt_token_ids, lora_request):
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: this engine serves one model")
+        if prompt_token_ids is None:
+            if prompts is None:
+                raise TypeError("generate() needs prompts (or prompt_token_ids=)")
+            return prompts
+        if prompts is not None:
+            raise TypeError("pass prompts or prompt_token_ids=, not both")
+        return _as_token_prompts(prompt_token_ids)
+
+    def as_completed(self, prompts, sampling_params=None,
+                     use_tqdm: bool | Callable[..., tqdm] = False,
+                     ) -> Iterator[tuple[int, RequestOutput]]:
+        """generate's outputs as each prompt's completes: (its index, its RequestOutput). The
+        batch is checked now; closing the iterator early aborts the prompts not yet completed."""
         requests = self.make_requests(prompts, sampling_params)
         progress = _Progress(use_tqdm, len(requests))  # before anything is queued
         return self._as_completed(requests, progress)
@@ -129,11 +163,15 @@ class LLM:
         finally:
             progress.bar.close()
 
-    def chat(self, messages, sampling_params, use_tqdm: bool | Callable[..., tqdm] = True) -> list:
+    def chat(self, messages, sampling_params=None,
+             use_tqdm: bool | Callable[..., tqdm] = True, lora_request=None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             ) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"} dicts) or a list of them."""
         self.llm_engine.check_alive()
-        prompts = conversation_prompts(self.tokenizer, messages)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        prompts = conversation_prompts(self.tokenizer, messages, chat_template,
+                                       add_generation_prompt)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stream(self, prompts, sampling_params) -> Iterator[StreamOutput]:
         """Like generate (checked now, queued on iteration), yielding each step's new output."""
@@ -170,13 +208,19 @@ class LLM:
         them (reload them with update_weights() after wake_up())."""
         self.llm_engine.sleep(level)
 
-    def wake_up(self) -> None:
-        """Restore what sleep() freed (a no-op when awake)."""
-        self.llm_engine.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep() freed: everything, or only tags ["weights"] or ["kv_cache"]
+        (vLLM's order for RL: weights, update them, then the KV cache). A no-op when awake."""
+        self.llm_engine.wake_up(tags)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix; running requests are not affected."""
-        self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; running requests are not affected. True (as vLLM: done)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's call on every worker, for the methods RL trainers call: "reload_weights" (the
+        checkpoint's weights again) and "reset_prefix_cache"; one result per engine."""
+        return self.llm_engine.collective_rpc(method, args, kwargs or {})
 
     def exit(self):
         """Stop the engines and release the GPUs, workers and shared memory. Idempotent."""

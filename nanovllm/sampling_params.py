@@ -27,7 +27,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # the top-N log-probabilities (plus the sampled token's)
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # fast tokenizers place these spaces themselves
+    detokenize: bool = True  # False: token ids only, text ""
+    best_of: int | None = None  # vLLM's name for n; another value is not supported
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    logit_bias: dict[int, float] | None = None  # added to the logits of these tokens
+    bad_words: list[str] | None = None  # words never generated
 
     def __post_init__(self):
         self.verify()
@@ -53,9 +61,40 @@ class SamplingParams:
                      "> 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2]")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS,
-                       f"in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), lambda v: 0 <= v <= MAX_LOGPROBS,
+                           f"in [0, {MAX_LOGPROBS}]")
+        for name in ("spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, lambda v: v == self.n,
+                       f"equal to n={self.n} (more candidates than samples is not supported)")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                       lambda v: v >= 1 or v == -1, ">= 1, or -1 for max_model_len")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings {self.stop!r} need detokenize=True")
+        self._verify_token_controls()
+
+    def _verify_token_controls(self):
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _id_list(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> float, got "
+                                f"{self.logit_bias!r}")
+            ids = _id_list(list(self.logit_bias), "logit_bias")
+            for token_id, bias in zip(ids, self.logit_bias.values()):
+                _check_float(f"logit_bias[{token_id}]", bias, lambda v: -100 <= v <= 100,
+                             "in [-100, 100]")
+            self.logit_bias = {token_id: float(bias)
+                               for token_id, bias in zip(ids, self.logit_bias.values())}
+        if self.bad_words is not None:
+            self.bad_words = _string_list(self.bad_words, "bad_words")
 
     @property
     def uses_only_temperature(self) -> bool:
@@ -86,16 +125,16 @@ def _check_int(name: str, value, in_range: Callable[[int], bool], allowed: str):
         raise ValueError(f"{name} must be {allowed}, got {value}")
 
 
-def _string_list(stop) -> list[str]:
-    if stop is None:
+def _string_list(strings, name: str = "stop") -> list[str]:
+    if strings is None:
         return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
-    if not all(stop):
-        raise ValueError(f"stop strings must be non-empty, got {stop!r}")
-    return list(stop)
+    if isinstance(strings, str):
+        strings = [strings]
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
+        raise TypeError(f"{name} must be a str or a list of str, got {strings!r}")
+    if not all(strings):
+        raise ValueError(f"{name} strings must be non-empty, got {strings!r}")
+    return list(strings)
 
 
 def as_token_id(value) -> int | None:
@@ -110,12 +149,12 @@ def as_token_id(value) -> int | None:
         return None
 
 
-def _id_list(ids) -> list[int]:
+def _id_list(ids, name: str = "stop_token_ids") -> list[int]:
     if ids is None:
         return []
     as_ints = [as_token_id(i) for i in ids] if isinstance(ids, (list, tuple)) else [None]
     if None in as_ints:
-        raise TypeError(f"stop_token_ids must be a list of int, got {ids!r}")
+        raise TypeError(f"{name} must be a list of int, got {ids!r}")
     if any(i < 0 for i in as_ints):
-        raise ValueError(f"stop_token_ids must be >= 0, got {ids!r}")
+        raise ValueError(f"{name} must be >= 0, got {ids!r}")
     return as_ints

@@ -156,12 +156,42 @@ def _default_loader(param: nn.Parameter, loaded):
     param.data.copy_(loaded)
 
 
-def weight_pairs(weights) -> list[tuple[str, torch.Tensor]]:
-    """A state dict or an iterable of (name, tensor) pairs as a list of pairs, checked."""
+def weight_pairs(weights, tied: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """A state dict or (name, tensor) pairs as checked pairs: every tensor a dense floating-point
+    tensor with data. With tied embeddings, lm_head.weight is the embedding: it is loaded as
+    model.embed_tokens.weight, and must equal it when both are given."""
     pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
     for i, pair in enumerate(pairs):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2
-                and isinstance(pair[1], torch.Tensor)):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got "
                             f"{type(pair).__name__}")
-    return pairs
+        _check_tensor(*pair)
+    if not tied:
+        return pairs
+    named = dict(pairs)
+    head = named.pop("lm_head.weight", None)
+    if head is not None and EMBEDDING in named:
+        if head.shape != named[EMBEDDING].shape or not torch.equal(
+                head, named[EMBEDDING].to(head.device)):
+            raise ValueError("lm_head.weight differs from model.embed_tokens.weight, but the "
+                             "checkpoint ties them (tie_word_embeddings): give one tensor")
+    elif head is not None:
+        named[EMBEDDING] = head
+    return list(named.items())
+
+
+def _check_tensor(name, tensor):
+    where = f"weight {name!r}"
+    if not isinstance(name, str):
+        raise TypeError(f"a weight's name must be a str, got {name!r}")
+    if tensor is None:
+        raise TypeError(f"{where} is None, not a tensor")
+    if not isinstance(tensor, torch.Tensor):
+        hint = " (torch.from_numpy makes one)" if hasattr(tensor, "__array__") else ""
+        raise TypeError(f"{where} is a {type(tensor).__name__}, not a torch.Tensor{hint}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{where} is a {tensor.layout} tensor: pass a dense one (.to_dense())")
+    if tensor.is_meta:
+        raise ValueError(f"{where} is on the meta device: it has no data")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{where} has dtype {tensor.dtype}: weights are real floating point")

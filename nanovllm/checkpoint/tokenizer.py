@@ -23,24 +23,30 @@ class NoTokenizer:
 
 
 def load_tokenizer(config):
-    """The checkpoint's tokenizer (a NoTokenizer with skip_tokenizer_init)."""
+    """The checkpoint's tokenizer, or config.tokenizer's (a directory or a repo id); a NoTokenizer
+    with skip_tokenizer_init."""
     if config.skip_tokenizer_init:
         return NoTokenizer()
-    if config.model.endswith(".gguf"):
+    source = os.path.expanduser(config.tokenizer) if config.tokenizer else config.model
+    if source.endswith(".gguf"):
         from nanovllm.checkpoint.gguf import gguf_tokenizer
 
-        return gguf_tokenizer(config.model)
-    directory = glob.escape(config.model)
-    if not any(glob.glob(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        return gguf_tokenizer(source)
+    directory = glob.escape(source)
+    if os.path.isdir(source) and not any(glob.glob(os.path.join(directory, name))
+                                         for name in TOKENIZER_FILES):
         raise FileNotFoundError(
-            f"no tokenizer in {config.model!r}: it needs one of {', '.join(TOKENIZER_FILES)}; "
+            f"no tokenizer in {source!r}: it needs one of {', '.join(TOKENIZER_FILES)}; "
             "pass skip_tokenizer_init=True to give prompts as token ids")
     from transformers import AutoTokenizer
 
+    options = {"use_fast": config.tokenizer_mode != "slow"}
+    if config.tokenizer and config.tokenizer_revision:
+        options["revision"] = config.tokenizer_revision
     try:
-        return AutoTokenizer.from_pretrained(config.model)
+        return AutoTokenizer.from_pretrained(source, **options)
     except Exception as e:
-        raise ValueError(f"cannot load the tokenizer in {config.model!r}: {e}") from e
+        raise ValueError(f"cannot load the tokenizer {source!r}: {e}") from e
 
 
 def eos_token_ids(tokenizer, config) -> set[int]:

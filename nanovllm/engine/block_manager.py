@@ -34,9 +34,10 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching  # False: no block is ever reused
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         # Handed out from the front, freed to the back: a block just freed is reused last.
@@ -53,6 +54,8 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of `seq`, short of its last token."""
         hits = []
+        if not self.enable_prefix_caching:
+            return hits
         prev = NO_HASH
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block_tokens(i)
@@ -124,6 +127,8 @@ class BlockManager:
 
     def register_computed_blocks(self, seq: Sequence, num_cached_before: int):
         """Hash the blocks of `seq` that became full and computed since `num_cached_before`."""
+        if not self.enable_prefix_caching:
+            return
         first = num_cached_before // self.block_size
         last = seq.num_cached_tokens // self.block_size
         for i in range(first, last):

@@ -5,12 +5,14 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from time import perf_counter
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -22,14 +24,16 @@ from nanovllm.checkpoint.loader import (
 )
 from nanovllm.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.config import Config
+from nanovllm.engine.colocate import ModelConfig, ModelExecutor
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.outputs import StreamOutput, prompt_output, stream_outputs
+from nanovllm.engine.outputs import StreamOutput, request_output, stream_outputs
 from nanovllm.engine.requests import Request, RequestLimits
 from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput, free_port, run_worker
 from nanovllm.runner.shm_channel import NO_MAIN_GUARD_EXIT_CODE, ShmChannel, WorkerDiedError
 
+WAKE_TAGS = ("weights", "kv_cache")  # what sleep frees, in the order wake_up restores it
 NCCL_ABORT_SECONDS = 5.0  # how long exit waits for NCCL to abort a dead worker's collectives
 EXIT_LOCK_SECONDS = 30.0  # how long exit waits for another thread's step to end
 NO_MAIN_GUARD = ("tensor_parallel_size > 1 starts worker processes that import your script again: "
@@ -54,6 +58,17 @@ class StepResult:
     num_prefill_tokens: int
     num_decode_tokens: int
     seconds: float = 0.0
+
+
+# The engines alive in this process, each exited at interpreter exit (weakly held: an engine
+# nobody references is freed).
+_live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _exit_live_engines():
+    for engine in list(_live_engines):
+        engine.exit()
 
 
 class LLMEngine:
@@ -82,11 +97,14 @@ class LLMEngine:
         self._stepping = self._out_of_step = False
         self._aborted: list[Sequence] = []  # closed streams' requests, finished at the next chance
         self.num_prefilled_tokens = 0  # tokens computed by prefill steps, since start-up
-        self.sleep_level = 0  # LLM.sleep's level while asleep
+        self.sleep_level = 0  # LLM.sleep's level while anything is asleep
+        self.asleep: set[str] = set()  # of WAKE_TAGS: what sleep freed and wake_up has not restored
         self.unloaded_weights: set[str] = set()  # discarded by sleep(level=2), not reloaded yet
         self._excepthook = sys.excepthook  # init_process_group wraps it
-        atexit.register(self.exit)
+        _live_engines.add(self)
         self._exited = False
+        if config.seed is not None:  # the steps' noise seeds are drawn from torch's generator
+            torch.manual_seed(config.seed)
         try:
             port = free_port()
             if config.tensor_parallel_size > 1:
@@ -97,7 +115,10 @@ class LLMEngine:
             self.eos_token_ids = eos_token_ids(self.tokenizer, config)
             self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                        config.max_model_len, self.model_runner.num_kvcache_blocks,
-                                       config.kvcache_block_size, self.eos_token_ids)
+                                       config.kvcache_block_size, self.eos_token_ids,
+                                       config.enable_prefix_caching)
+            self.model_config = ModelConfig.of(config)
+            self.model_executor = ModelExecutor(self)
         except WorkerDiedError as error:
             self.exit()
             if error.exitcode == NO_MAIN_GUARD_EXIT_CODE:
@@ -141,7 +162,7 @@ class LLMEngine:
 
     def _release(self):
         self._exited = True
-        atexit.unregister(self.exit)
+        _live_engines.discard(self)
         self.inflight = None
         # Workers out of step with rank 0 (a step interrupted or failed, a worker dead, start-up
         # cut short) would never answer an orderly exit: they are killed.
@@ -178,12 +199,17 @@ class LLMEngine:
     def __exit__(self, *exc):
         self.exit()
 
+    def __del__(self):  # `del llm` (then gc.collect()) frees the engine, as vLLM users expect
+        if not getattr(self, "_exited", True):
+            self.exit()
+
     def check_alive(self, awake: bool = True):
         if self._exited:
             raise RuntimeError("this LLM has exited; create a new one")
-        if awake and self.sleep_level:
-            raise RuntimeError(f"this LLM is asleep (sleep(level={self.sleep_level})): call "
-                               "wake_up() first")
+        if awake and self.asleep:
+            raise RuntimeError(f"this LLM is asleep (sleep(level={self.sleep_level}); "
+                               f"{' and '.join(sorted(self.asleep))} not woken): call wake_up() "
+                               "first")
         if awake and self.unloaded_weights:
             raise RuntimeError(
                 f"{len(self.unloaded_weights)} weights discarded by sleep(level=2) are not loaded "
@@ -249,7 +275,8 @@ class LLMEngine:
     def update_weights(self, weights) -> None:
         """Copy (name, tensor) pairs (checkpoint names, any subset, any device) into the weights in
         place, all checked first; refused while requests are unfinished (README.md)."""
-        pairs = weight_pairs(weights)
+        tied = getattr(self.model_runner.model, "tie_word_embeddings", False)
+        pairs = weight_pairs(weights, tied)
         self._load_weights([(name, tuple(t.shape)) for name, t in pairs], pairs)
 
     def update_weights_from_path(self, path: str) -> None:
@@ -270,20 +297,24 @@ class LLMEngine:
             self.check_ready("sleep", level)
             self.scheduler.block_manager.reset_prefix_cache()
             self._on_all_ranks("sleep", level)
-            self.sleep_level = level
+            self.sleep_level, self.asleep = level, set(WAKE_TAGS)
 
-    def wake_up(self) -> None:
-        """Restore what sleep() freed (a no-op when awake)."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep() freed, or only the `tags` of it ("weights", "kv_cache"); a no-op
+        for what is awake."""
         with self._lock:
-            self.check_ready("wake_up")
-            if not self.sleep_level:
+            self.check_ready("wake_up", tags)
+            waking = [tag for tag in WAKE_TAGS if tag in self.asleep and tag in (tags or WAKE_TAGS)]
+            if not waking:
                 return
-            self._on_all_ranks("wake_up")
-            if self.sleep_level == 2:
+            self._on_all_ranks("wake_up", waking)
+            if "weights" in waking and self.sleep_level == 2:
                 tied = getattr(self.model_runner.model, "tie_word_embeddings", False)
                 self.unloaded_weights = set(self.model_runner.weight_shapes) - (
                     {"lm_head.weight"} if tied else set())
-            self.sleep_level = 0
+            self.asleep -= set(waking)
+            if not self.asleep:
+                self.sleep_level = 0
 
     def check_ready(self, method: str, *args):
         """Raise what `method(*args)` (update_weights with its (name, shape) specs, sleep, wake_up)
@@ -291,14 +322,19 @@ class LLMEngine:
         before any of them acts."""
         if method == "sleep" and (args[0] not in (1, 2) or isinstance(args[0], bool)):
             raise ValueError(f"level must be 1 or 2, got {args[0]!r}")
+        if method == "wake_up":
+            tags = args[0] if args else None
+            if tags is not None and (not isinstance(tags, (list, tuple))
+                                     or not set(tags) <= set(WAKE_TAGS)):
+                raise ValueError(f"tags must be None or a list of {WAKE_TAGS}, got {tags!r}")
         with self._lock:
             self.check_alive(awake=False)
             if method == "wake_up":
                 return
-            if self.sleep_level:
-                raise RuntimeError(f"already asleep (sleep(level={self.sleep_level}))"
-                                   if method == "sleep" else
-                                   f"{method}() while asleep: call wake_up() first")
+            if method == "sleep" and self.asleep:
+                raise RuntimeError(f"already asleep (sleep(level={self.sleep_level}))")
+            if "weights" in self.asleep:
+                raise RuntimeError(f"{method}() while asleep: call wake_up() first")
             self._drain(f"{method}()")
             if method == "update_weights":
                 check_weights(self.model_runner.weight_shapes, args[0])
@@ -324,10 +360,23 @@ class LLMEngine:
             self.exit()
             raise
 
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; running requests are not affected."""
         with self._lock:
             self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's call on every worker, for what RL trainers call on it: "reload_weights" (the
+        checkpoint's tensors again) and "reset_prefix_cache". One result per rank."""
+        if method == "reload_weights" and not args and not kwargs:
+            self.update_weights_from_path(self.config.model)
+        elif method == "reset_prefix_cache" and not args and not kwargs:
+            self.reset_prefix_cache()
+        else:
+            raise NotImplementedError(f"collective_rpc({method!r}) is not supported: the engine "
+                                      "runs 'reload_weights' and 'reset_prefix_cache'")
+        return [None] * self.config.tensor_parallel_size
 
     def is_finished(self) -> bool:
         with self._lock:
@@ -441,7 +490,8 @@ class LLMEngine:
                 with self._lock:
                     touched = sorted({prompt_of[s.seq_id] for s in unfinished if s.is_finished})
                     unfinished = [s for s in unfinished if not s.is_finished]
-                    completed = [(i, prompt_output(groups[i], self.tokenizer)) for i in touched
+                    completed = [(i, request_output(requests[i], groups[i], self.tokenizer))
+                                 for i in touched
                                  if all(s.is_finished for s in groups[i])]
                     result = self.step() if unfinished else None
                 num_completed += len(completed)

@@ -4,7 +4,9 @@ from its sequences."""
 from dataclasses import dataclass
 
 from nanovllm.checkpoint.tokenizer import NoTokenizer
+from nanovllm.engine.requests import Request
 from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass(slots=True)
@@ -20,30 +22,43 @@ class StreamOutput:
     sample: int = 0  # which of the prompt's SamplingParams.n completions
 
 
-def request_output(seq: Sequence, tokenizer) -> dict:
-    """A finished sequence as `generate` returns it."""
+def completion_output(seq: Sequence, tokenizer) -> CompletionOutput:
+    """A finished sample as a CompletionOutput."""
     tokens = seq.completion_token_ids
     params = seq.sampling_params
     if seq.detokenizer is not None:
         text = seq.detokenizer.text
-    elif isinstance(tokenizer, NoTokenizer):
+    elif isinstance(tokenizer, NoTokenizer) or not params.detokenize:
         text = ""
     else:  # as vLLM, without the text of the EOS or stop id that ended the sequence
         hide_stop = seq.finish_reason == "stop" and not params.include_stop_str_in_output
         shown = tokens[:-1] if hide_stop else tokens
         text = tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
-    output = {"text": text, "token_ids": tokens, "finish_reason": seq.finish_reason,
-              "stop_reason": seq.stop_reason}
+    logprobs = cumulative = None
     if params.logprobs is not None:
-        output["logprobs"] = seq.logprobs
-        output["cumulative_logprob"] = seq.cumulative_logprob
-    return output
+        decode = None if isinstance(tokenizer, NoTokenizer) or not params.detokenize \
+            else tokenizer.decode
+        logprobs = [as_logprobs(step, decode) for step in seq.logprobs]
+        cumulative = seq.cumulative_logprob
+    return CompletionOutput(seq.sample_index, text, tokens, cumulative, logprobs,
+                            seq.finish_reason, seq.stop_reason)
 
 
-def prompt_output(samples: list[Sequence], tokenizer) -> dict | list[dict]:
-    """A prompt's output: its sample's dict, or with n > 1 its n samples' dicts in order."""
-    outputs = [request_output(seq, tokenizer) for seq in samples]
-    return outputs if samples[0].sampling_params.n > 1 else outputs[0]
+def as_logprobs(step: dict[int, float], decode) -> dict[int, Logprob]:
+    """A step's {token id: logprob}, the sampled token first, then the top N by rank."""
+    items = list(step.items())
+    top = {token_id: rank for rank, (token_id, _) in enumerate(items[1:], 1)}
+    return {token_id: Logprob(logprob, top.get(token_id),
+                              None if decode is None else decode([token_id]))
+            for token_id, logprob in items}
+
+
+def request_output(request: Request, samples: list[Sequence], tokenizer) -> RequestOutput:
+    """A prompt's output once its n samples have finished."""
+    first = samples[0]
+    return RequestOutput(request.request_id, request.prompt,
+                         first.token_ids[:first.num_prompt_tokens], None,
+                         [completion_output(seq, tokenizer) for seq in samples], finished=True)
 
 
 def stream_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],

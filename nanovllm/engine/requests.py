@@ -33,6 +33,7 @@ class Request:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
+    prompt: str | None = None  # the prompt's text, if it was given as text
 
 
 def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,
@@ -40,26 +41,34 @@ def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,
     """Tokenize and check a whole batch (one prompt or params may stand for all); raises before
     anything is queued, naming the prompt, the value and the limit."""
     prompts, sampling_params = as_batch(prompts, sampling_params)
-    token_lists = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    for i, (tokens, params) in enumerate(zip(token_lists, sampling_params)):
+    requests = []
+    for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+        text, tokens = prompt_tokens(i, prompt, tokenizer)
         check_request(i, tokens, params, limits.vocab_size)
+        if params.truncate_prompt_tokens is not None:  # as vLLM: the last k tokens
+            keep = params.truncate_prompt_tokens
+            tokens = tokens[-(limits.max_model_len if keep == -1 else keep):]
         try:
             limits.check_fits(len(tokens), params.max_tokens, params.n)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
-    return [Request(str(next(request_ids)), tokens, params)
-            for tokens, params in zip(token_lists, sampling_params)]
+        requests.append(Request(str(next(request_ids)), tokens, params, text))
+    return requests
 
 
 def as_batch(prompts, sampling_params) -> tuple[list, list]:
-    """Prompts and sampling params as two lists of equal length (one prompt or params for all)."""
+    """Prompts and sampling params as two lists of equal length (one prompt or params for all;
+    no params: the defaults)."""
     prompts = _as_list(prompts)
     one_prompt = isinstance(prompts, list) and prompts and as_token_id(prompts[0]) is not None
-    if isinstance(prompts, str) or one_prompt:
+    if isinstance(prompts, (str, dict)) or one_prompt:
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a str, a list of str, or a list of token-id lists, got "
+        raise TypeError(f"prompts must be a str, a token-id list, a {{'prompt': ...}} or "
+                        f"{{'prompt_token_ids': ...}} dict, or a list of them, got "
                         f"{type(prompts).__name__}")
+    if sampling_params is None:
+        sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(prompts)
     elif not isinstance(sampling_params, (list, tuple)):
@@ -67,11 +76,33 @@ def as_batch(prompts, sampling_params) -> tuple[list, list]:
                         f"{type(sampling_params).__name__}")
     if len(sampling_params) != len(prompts):
         raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-    kinds = {type(p) for p in prompts}
-    if not (kinds <= {str} or kinds <= {list, tuple}):
-        raise TypeError(f"prompts must be all str or all token-id lists, got a mix of "
-                        f"{sorted(k.__name__ for k in kinds)}")
     return list(prompts), list(sampling_params)
+
+
+def prompt_tokens(index: int, prompt, tokenizer) -> tuple[str | None, list]:
+    """(the prompt's text if it has one, its token ids): from a str, a token-id list, a
+    TextPrompt {"prompt": str} or a TokensPrompt {"prompt_token_ids": [...]}."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown:
+            raise ValueError(f"prompt {index} has {', '.join(sorted(map(repr, unknown)))}: only "
+                             "'prompt' and 'prompt_token_ids' are supported (text-only models)")
+        if "prompt_token_ids" in prompt:
+            ids = _as_list(prompt["prompt_token_ids"])
+            if not isinstance(ids, (list, tuple)):
+                raise TypeError(f"prompt {index}: prompt_token_ids must be a list of int, got "
+                                f"{type(ids).__name__}")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+        raise TypeError(f"prompt {index} must hold 'prompt' (a str) or 'prompt_token_ids', got "
+                        f"{prompt!r}")
+    raise TypeError(f"prompt {index} must be a str, a token-id list or a prompt dict, got "
+                    f"{type(prompt).__name__}")
 
 
 def _as_list(prompts):

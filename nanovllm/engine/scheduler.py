@@ -41,12 +41,13 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, bloc
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 num_blocks: int, block_size: int, eos_token_ids: set[int]):
+                 num_blocks: int, block_size: int, eos_token_ids: set[int],
+                 enable_prefix_caching: bool = True):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
 

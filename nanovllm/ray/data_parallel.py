@@ -242,8 +242,12 @@ class DataParallelEngine:
         raise NotImplementedError("LLM.stream runs on one engine; with data-parallel replicas "
                                   "use generate, as_completed or chat")
 
-    def reset_prefix_cache(self):
-        self._broadcast("reset_prefix_cache")
+    def reset_prefix_cache(self) -> bool:
+        return all(self._broadcast("reset_prefix_cache"))
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        return [result for results in self._broadcast("collective_rpc", method, args, kwargs)
+                for result in results]
 
     def update_weights(self, weights):
         self._broadcast("update_weights", weight_pairs(weights))
@@ -254,8 +258,8 @@ class DataParallelEngine:
     def sleep(self, level: int = 1):
         self._broadcast("sleep", level)
 
-    def wake_up(self):
-        self._broadcast("wake_up")
+    def wake_up(self, tags: list[str] | None = None):
+        self._broadcast("wake_up", tags)
 
     def exit(self):
         """Stop the engines and remove the actors. Safe to call more than once."""

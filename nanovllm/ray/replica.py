@@ -26,7 +26,7 @@ class EngineReplica:
         """Stream a shard of checked requests: (index in the shard, output) as each completes."""
         # A loop, not `yield from`: Ray resumes the generator with send(), which `yield from`
         # would pass down to the list iterators inside as_completed.
-        for completed in self.engine.as_completed(requests):
+        for completed in self.engine.as_completed(requests):  # noqa: UP028
             yield completed
 
     def abort(self, request_ids: list[str]):

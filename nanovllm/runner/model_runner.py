@@ -98,7 +98,8 @@ class ModelRunner:
                                  decode_order=config.attention_backend == "triton")
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs = self.sampler_graphs = None
-        self.offloaded: list[Offloaded] = []  # what sleep() freed
+        self.offloaded: dict[str, Offloaded] = {}  # what sleep() freed, by wake_up tag
+        self.moved = False  # a restored storage came back at another address
         if is_cuda and not config.enforce_eager:
             self._capture_graphs()
             if rank == 0:
@@ -171,21 +172,26 @@ class ModelRunner:
         weights = list(self.model.parameters()) if level == 2 or self.device.type == "cuda" else []
         pools = [t for t in (self.kv_cache, self.kv_scales) if t is not None]
         # Freed weights first, so that waking allocates in start-up's order: weights, then KV.
-        self.offloaded = [Offloaded(weights, keep=level == 1)] if weights else []
-        self.offloaded.append(Offloaded(pools, keep=False))
+        if weights:
+            self.offloaded["weights"] = Offloaded(weights, keep=level == 1)
+        self.offloaded["kv_cache"] = Offloaded(pools, keep=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def wake_up(self):
-        """Restore what sleep freed; capture the graphs again unless every address is unchanged."""
-        same_addresses = [offloaded.restore() for offloaded in self.offloaded]
-        self.offloaded = []
-        if self.graphs is not None and not all(same_addresses):
+    def wake_up(self, tags: list[str]):
+        """Restore what sleep freed under `tags` ("weights", "kv_cache"); once both are back,
+        capture the graphs again unless every address is unchanged."""
+        for tag in tags:
+            if tag in self.offloaded:
+                self.moved |= not self.offloaded.pop(tag).restore()
+        if self.graphs is not None and not self.offloaded and self.moved:
             self.graphs.release()
             self.graphs = None
             torch.cuda.empty_cache()
             self._capture_graphs()
+        if not self.offloaded:
+            self.moved = False
 
     def _allocate_kv_cache(self) -> int:
         """Allocate [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets its views;

@@ -140,7 +140,7 @@ def test_tokenizer_config_alone_is_not_a_tokenizer(checkpoint):
 def test_corrupt_tokenizer_names_the_directory(checkpoint):
     with open(os.path.join(checkpoint, "tokenizer.json"), "w") as f:
         f.write("{broken")
-    with pytest.raises(ValueError, match=f"cannot load the tokenizer in {quoted(checkpoint)}"):
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer {quoted(checkpoint)}"):
         LLM(checkpoint, **OPTIONS)
     assert_engine_released()
 
