@@ -113,12 +113,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def make_requests(self, prompts, sampling_params) -> list[Request]:
-        """A batch tokenized and checked as generate checks it, not queued: `prompts` is a str, a
-        token-id list, or a list of either; `sampling_params` one or one per prompt."""
+    def make_requests(self, prompts, sampling_params, stream: bool = False) -> list[Request]:
+        """A batch tokenized and checked as generate checks it, not queued: `prompts` as generate
+        takes them; `sampling_params` one or one per prompt."""
         self.llm_engine.check_alive()
         return make_requests(prompts, sampling_params, self.tokenizer, self.llm_engine.limits,
-                             self._request_ids)
+                             self._request_ids, stream)
 
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams()
@@ -175,7 +175,7 @@ class LLM:
 
     def stream(self, prompts, sampling_params) -> Iterator[StreamOutput]:
         """Like generate (checked now, queued on iteration), yielding each step's new output."""
-        return self.llm_engine.stream(self.make_requests(prompts, sampling_params))
+        return self.llm_engine.stream(self.make_requests(prompts, sampling_params, stream=True))
 
     def add_request(self, prompt, sampling_params) -> int:
         """Queue one request; returns its (first sample's) sequence id; samples 1.. of n follow."""

@@ -62,6 +62,8 @@ class RequestOutput:
                            "of its first completion; use its attributes for the rest")
         return getattr(self.outputs[0], key)
 
+    __iter__ = None  # not a sequence: its samples are `outputs`
+
     def __contains__(self, key: str) -> bool:
         if key in ("logprobs", "cumulative_logprob"):
             return self.outputs[0].logprobs is not None

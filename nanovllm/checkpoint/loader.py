@@ -169,15 +169,16 @@ def weight_pairs(weights, tied: bool = False) -> list[tuple[str, torch.Tensor]]:
     if not tied:
         return pairs
     named = dict(pairs)
-    head = named.pop("lm_head.weight", None)
-    if head is not None and EMBEDDING in named:
-        if head.shape != named[EMBEDDING].shape or not torch.equal(
-                head, named[EMBEDDING].to(head.device)):
-            raise ValueError("lm_head.weight differs from model.embed_tokens.weight, but the "
-                             "checkpoint ties them (tie_word_embeddings): give one tensor")
-    elif head is not None:
-        named[EMBEDDING] = head
-    return list(named.items())
+    head = named.get("lm_head.weight")
+    if head is not None and EMBEDDING in named and (
+            head.shape != named[EMBEDDING].shape
+            or not torch.equal(head, named[EMBEDDING].to(head.device))):
+        raise ValueError("lm_head.weight differs from model.embed_tokens.weight, but the "
+                         "checkpoint ties them (tie_word_embeddings): give one tensor")
+    if head is not None:  # one tensor of the two: the embedding's
+        pairs = [(EMBEDDING, t) if name == "lm_head.weight" else (name, t)
+                 for name, t in pairs if not (name == "lm_head.weight" and EMBEDDING in named)]
+    return pairs
 
 
 def _check_tensor(name, tensor):

@@ -4,6 +4,7 @@ queued. The one validation path, for the local engine and the Ray replicas alike
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from nanovllm.checkpoint.tokenizer import NoTokenizer
 from nanovllm.engine.scheduler import check_fits
 from nanovllm.sampling_params import SamplingParams, as_token_id
 
@@ -37,14 +38,16 @@ class Request:
 
 
 def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,
-                  request_ids: Iterator[int]) -> list[Request]:
+                  request_ids: Iterator[int], stream: bool = False) -> list[Request]:
     """Tokenize and check a whole batch (one prompt or params may stand for all); raises before
-    anything is queued, naming the prompt, the value and the limit."""
+    anything is queued, naming the prompt, the value and the limit. stream: text as it comes."""
     prompts, sampling_params = as_batch(prompts, sampling_params)
     requests = []
     for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
         text, tokens = prompt_tokens(i, prompt, tokenizer)
         check_request(i, tokens, params, limits.vocab_size)
+        if (stream or params.stop) and isinstance(tokenizer, NoTokenizer):
+            tokenizer.decode(tokens)  # refuses: stop strings and streamed text need a tokenizer
         if params.truncate_prompt_tokens is not None:  # as vLLM: the last k tokens
             keep = params.truncate_prompt_tokens
             tokens = tokens[-(limits.max_model_len if keep == -1 else keep):]

@@ -178,7 +178,7 @@ def test_as_completed_yields_each_prompt_as_it_finishes(llm, prompts, hf_referen
     outputs = dict(got)
     assert outputs[0]["token_ids"] == hf_reference[0]
     assert outputs[1]["token_ids"] == hf_reference[1][:3]
-    assert [o["token_ids"] for o in outputs[2]] == [hf_reference[2][:7]] * 2
+    assert [o.token_ids for o in outputs[2].outputs] == [hf_reference[2][:7]] * 2
     assert_serves_and_is_idle(llm, prompts, hf_reference)
 
 

@@ -169,9 +169,14 @@ def test_logprobs_match_transformers(llm, tiny_model, prompts):
         for i, (token, logprobs) in enumerate(zip(out["token_ids"], out["logprobs"])):
             top = reference[i].topk(p.logprobs).indices.tolist()
             assert set(logprobs) == set(top) | {token}
-            for t, value in logprobs.items():
-                assert value == pytest.approx(reference[i, t].item(), abs=1e-4)
-            total += logprobs[token]
+            for t, entry in logprobs.items():
+                expected = reference[i, t].item()
+                assert entry.logprob == pytest.approx(expected, abs=1e-4)
+                # The rank among the vocabulary, up to ties within the same tolerance.
+                above = int((reference[i] > expected + 1e-4).sum())
+                assert above + 1 <= entry.rank <= int((reference[i] > expected - 1e-4).sum()) + 1
+                assert entry.decoded_token == llm.tokenizer.decode([t])
+            total += logprobs[token].logprob
         assert out["cumulative_logprob"] == pytest.approx(total)
     assert "logprobs" not in generate(llm, [prompts[0]], SamplingParams(max_tokens=2))[0]
 
@@ -187,7 +192,8 @@ def test_chat_applies_the_template(llm, monkeypatch):
     replies = llm.chat(conversations, params, use_tqdm=False)
     generated = generate(llm, expected, params)
     assert [r["token_ids"] for r in replies] == [o["token_ids"] for o in generated]
-    assert llm.chat(conversations[1], params, use_tqdm=False)[0] == replies[1]  # one conversation
+    one = llm.chat(conversations[1], params, use_tqdm=False)[0]  # one conversation
+    assert one.outputs == replies[1].outputs
     seen = []
     monkeypatch.setattr(llm, "generate", lambda prompts, *args: seen.extend(prompts))
     llm.chat(conversations, params)

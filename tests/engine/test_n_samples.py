@@ -46,7 +46,7 @@ def test_greedy_samples_match_transformers_prefilled_once(tiny_model, fork_promp
         outputs = llm.generate(fork_prompts, GREEDY, use_tqdm=False)
         assert llm.llm_engine.num_prefilled_tokens == sum(len(p) for p in fork_prompts)
         assert pool_is_empty(llm)
-    assert [[o["token_ids"] for o in samples] for samples in outputs] == [
+    assert [[o.token_ids for o in samples.outputs] for samples in outputs] == [
         [expected] * 4 for expected in hf_fork_reference]
 
 
@@ -60,19 +60,19 @@ def test_n_samples_under_preemption(tiny_model, fork_prompts, hf_fork_reference)
         with pytest.raises(ValueError, match="need 10 KV blocks to fork but the pool has only 9"):
             llm.generate(fork_prompts[0], SamplingParams(n=9, max_tokens=2), use_tqdm=False)
     assert counter.count > 0
-    assert [[o["token_ids"] for o in samples] for samples in outputs] == [
+    assert [[o.token_ids for o in samples.outputs] for samples in outputs] == [
         [expected] * 3 for expected in hf_fork_reference]
 
 
 def test_seeded_sample_i_is_the_request_with_seed_plus_i_in_any_batch(llm, fork_prompts):
     params = SamplingParams(n=4, temperature=1.0, seed=77, max_tokens=8, ignore_eos=True)
-    alone = [o["token_ids"] for o in llm.generate(fork_prompts[0], params, use_tqdm=False)[0]]
+    alone = [o.token_ids for o in llm.generate(fork_prompts[0], params, use_tqdm=False)[0].outputs]
     other = SamplingParams(n=2, temperature=0.7, max_tokens=5)
     mixed = llm.generate(fork_prompts, [other, params, params], use_tqdm=False)
     # Prompt 1 is another prompt: the same seeds draw other tokens there.
-    assert [o["token_ids"] for o in mixed[1]] != alone
+    assert [o.token_ids for o in mixed[1].outputs] != alone
     reordered = llm.generate([fork_prompts[1], fork_prompts[0]], [other, params], use_tqdm=False)
-    assert [o["token_ids"] for o in reordered[1]] == alone
+    assert [o.token_ids for o in reordered[1].outputs] == alone
     singles = [SamplingParams(temperature=1.0, seed=77 + i, max_tokens=8, ignore_eos=True)
                for i in range(4)]
     one_each = llm.generate([fork_prompts[0]] * 4, singles, use_tqdm=False)
@@ -85,13 +85,14 @@ def test_output_shape(llm, fork_prompts):
     one = SamplingParams(temperature=0, max_tokens=3)
     two = SamplingParams(n=2, temperature=0, max_tokens=3)
     outputs = llm.generate(fork_prompts[:2], [one, two], use_tqdm=False)
-    assert isinstance(outputs[0], dict) and isinstance(outputs[1], list)
-    assert [o["token_ids"] for o in outputs[1]] == [outputs[1][0]["token_ids"]] * 2
+    assert [len(o.outputs) for o in outputs] == [1, 2]
+    assert [c.index for c in outputs[1].outputs] == [0, 1]
+    assert [c.token_ids for c in outputs[1].outputs] == [outputs[1]["token_ids"]] * 2
     streamed = {}
     for out in llm.stream(fork_prompts[:2], [one, two]):
         streamed.setdefault((out.index, out.sample), []).extend(out.token_ids)
     assert sorted(streamed) == [(0, 0), (1, 0), (1, 1)]
-    assert streamed[(1, 1)] == outputs[1][1]["token_ids"]
+    assert streamed[(1, 1)] == outputs[1].outputs[1].token_ids
 
 
 def test_abort_before_and_after_the_fork(llm, fork_prompts):

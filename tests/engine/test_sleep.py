@@ -25,7 +25,8 @@ def test_sleep_and_wake_on_cpu(tiny_model, prompts):
         llm.sleep(1)
         assert llm.llm_engine.model_runner.kv_cache.untyped_storage().nbytes() == 0
         assert weight_bytes(llm) == weights  # on the CPU, already in host memory
-        with pytest.raises(RuntimeError, match=r"asleep \(sleep\(level=1\)\): call wake_up"):
+        asleep = r"asleep \(sleep\(level=1\); kv_cache and weights not woken\): call wake_up"
+        with pytest.raises(RuntimeError, match=asleep):
             llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         with pytest.raises(RuntimeError, match=r"already asleep"):
             llm.sleep(2)
@@ -65,3 +66,21 @@ def test_sleep_errors(tiny_model, prompts):
         llm.sleep()
     with pytest.raises(RuntimeError, match="has exited"):
         llm.wake_up()
+
+
+@pytest.mark.cpu_suite
+def test_wake_up_by_tags_in_vllms_rl_order(tiny_model, prompts):
+    """sleep, wake the weights, update them, wake the KV cache: vLLM's RL loop."""
+    state_dict = _hf_model(tiny_model).state_dict()
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
+        before = tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False))
+        llm.sleep(2)
+        with pytest.raises(ValueError, match=r"tags must be None or a list of \('weights', "):
+            llm.wake_up(["everything"])
+        llm.wake_up(tags=["weights"])
+        with pytest.raises(RuntimeError, match="kv_cache not woken"):
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        llm.update_weights(state_dict)  # the weights are awake: they take the update
+        assert llm.llm_engine.model_runner.kv_cache.untyped_storage().nbytes() == 0
+        llm.wake_up(tags=["kv_cache"])
+        assert tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False)) == before

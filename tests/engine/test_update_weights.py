@@ -1,6 +1,7 @@
 """LLM.update_weights: a running engine takes a trainer's state dict in place, through the loader
 that start-up uses; a bad update is refused whole."""
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -65,7 +66,7 @@ def test_tp2_update_over_gloo(tiny_model, model_b, update_prompts):
         # Forks on every rank: each copies the partial last block of its parent's prompt.
         pairs = SamplingParams(n=2, temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
         outputs = llm.generate(update_prompts, pairs, use_tqdm=False)
-        assert [[o["token_ids"] for o in samples] for samples in outputs] == [
+        assert [[o.token_ids for o in samples.outputs] for samples in outputs] == [
             [e, e] for e in expected]
 
 
@@ -87,7 +88,19 @@ def weights_of(llm) -> dict[str, torch.Tensor]:
     ([("model.norm.weight", torch.zeros(64))] * 2, ValueError,
      "weight 'model.norm.weight' is given more than once"),
     ([("model.norm.weight", [0.0] * 64)], TypeError,
-     r"weights\[1\] must be a \(name, tensor\) pair, got tuple"),
+     r"weight 'model.norm.weight' is a list, not a torch.Tensor"),
+    ([("model.norm.weight",)], TypeError, r"weights\[1\] must be a \(name, tensor\) pair"),
+    ([("model.norm.weight", None)], TypeError, "weight 'model.norm.weight' is None"),
+    ([("model.norm.weight", np.zeros(64, np.float32))], TypeError,
+     r"is a ndarray, not a torch.Tensor \(torch.from_numpy makes one\)"),
+    ([("model.norm.weight", torch.zeros(64, device="meta"))], ValueError,
+     "'model.norm.weight' is on the meta device"),
+    ([("model.norm.weight", torch.zeros(64).to_sparse())], TypeError,
+     r"is a torch.sparse_coo tensor: pass a dense one"),
+    ([("model.norm.weight", torch.zeros(64, dtype=torch.complex64))], TypeError,
+     "has dtype torch.complex64: weights are real floating point"),
+    ([("model.norm.weight", torch.zeros(64, dtype=torch.int64))], TypeError,
+     "has dtype torch.int64"),
 ])
 def test_bad_updates_change_nothing(llm, prompts, bad, error, message):
     before = tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False))
@@ -97,6 +110,23 @@ def test_bad_updates_change_nothing(llm, prompts, bad, error, message):
         llm.update_weights([good] + bad)
     after = weights_of(llm)
     assert all(torch.equal(weights[k], after[k]) for k in weights)
+    assert tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False)) == before
+
+
+def test_tied_lm_head_is_the_embedding(llm, prompts):
+    """The tiny checkpoint ties lm_head to the embedding: lm_head.weight alone loads into it; both,
+    differing, are refused."""
+    model = llm.llm_engine.model_runner.model
+    assert model.tie_word_embeddings
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    before = tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False))
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        llm.update_weights({"model.embed_tokens.weight": embedding,
+                            "lm_head.weight": embedding * 2})
+    llm.update_weights({"lm_head.weight": embedding * 2})
+    assert torch.equal(model.model.embed_tokens.weight, embedding * 2)
+    assert tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False)) != before
+    llm.update_weights({"lm_head.weight": embedding, "model.embed_tokens.weight": embedding})
     assert tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False)) == before
 
 
