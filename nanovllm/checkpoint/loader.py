@@ -15,9 +15,17 @@ EMBEDDING = "model.embed_tokens.weight"
 Weights = Iterable[tuple[str, torch.Tensor]]  # (checkpoint / HF name, full unsharded tensor)
 
 
-def load_model(model: nn.Module, path: str) -> dict[str, tuple[int, ...]]:
+def load_model(model: nn.Module, path: str, dummy: bool = False) -> dict[str, tuple[int, ...]]:
     """Load every tensor of `path`/*.safetensors or the .gguf file `path` (all required); returns
-    each name's shape."""
+    each name's shape. dummy: small random values of the checkpoint's shapes instead (vLLM's
+    load_format="dummy"), for update_weights to fill."""
+    if dummy:
+        if path.endswith(".gguf"):
+            raise ValueError("load_format='dummy' takes a safetensors checkpoint, not a GGUF file")
+        generator = torch.Generator().manual_seed(0)
+        return load_weights(model, ((name, torch.empty(shape).uniform_(-0.05, 0.05,
+                                                                      generator=generator))
+                                    for name, shape in checkpoint_specs(path)))
     if path.endswith(".gguf"):
         from nanovllm.checkpoint.gguf import gguf_weights
 

@@ -90,7 +90,8 @@ class ModelRunner:
         with default_dtype_and_device(self.dtype, self.device):
             self.model = model_class(hf)(hf, config.attention_backend,
                                          expert_parallel=config.expert_parallel)
-        self.weight_shapes = load_model(self.model, config.model)  # checkpoint name -> shape
+        self.weight_shapes = load_model(self.model, config.model,  # checkpoint name -> shape
+                                        dummy=config.load_format == "dummy")
         self.sampler = Sampler()
         self.num_kv_heads = hf.num_key_value_heads // self.world_size
         self.head_dim = head_dim(hf)
