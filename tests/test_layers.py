@@ -19,7 +19,8 @@ LAYERS = [
     ("nanovllm.layers", "nanovllm.sampling"),
     ("nanovllm.checkpoint",),     # safetensors, hub ids, GGUF, tokenizer, config.json
     ("nanovllm.kernels",),        # Triton only
-    ("nanovllm.step", "nanovllm.sampling_params", "nanovllm.extras"),
+    ("nanovllm.step",),           # the step's messages between the engine, runner and sampler
+    ("nanovllm.sampling_params", "nanovllm.extras"),
 ]
 
 
