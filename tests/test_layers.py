@@ -24,15 +24,10 @@ LAYERS = [
 ]
 
 
-# Being removed: the runner still reads the engine's Sequence; Ray's replicas still hold the front.
+# Being removed: Ray's replicas still hold the front.
 PENDING = {
     "nanovllm.ray.data_parallel -> nanovllm.llm",
     "nanovllm.ray.replica -> nanovllm.llm",
-    "nanovllm.runner.cuda_graph -> nanovllm.engine.sequence",
-    "nanovllm.runner.model_runner -> nanovllm.engine.sequence",
-    "nanovllm.runner.sampler_graphs -> nanovllm.engine.sequence",
-    "nanovllm.runner.sampling_metadata -> nanovllm.engine.sequence",
-    "nanovllm.runner.step_inputs -> nanovllm.engine.sequence",
 }
 
 

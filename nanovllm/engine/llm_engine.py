@@ -18,11 +18,12 @@ from nanovllm.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.requests import as_batch, check_request, prompt_output
-from nanovllm.engine.scheduler import CommittedStep, Scheduler
+from nanovllm.engine.scheduler import CommittedStep, Scheduler, scheduled_step
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput, free_port, run_worker
 from nanovllm.runner.shm_channel import NO_MAIN_GUARD_EXIT_CODE, ShmChannel, WorkerDiedError
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.step import StepOutput
 
 NCCL_ABORT_SECONDS = 5.0  # how long exit waits for NCCL to abort a dead worker's collectives
 EXIT_LOCK_SECONDS = 30.0  # how long exit waits for another thread's step to end
@@ -275,7 +276,7 @@ class LLMEngine:
             seqs, is_prefill = self.scheduler.schedule()
             launched = None
             if seqs:
-                pending = self.model_runner.call("run", seqs, is_prefill)
+                pending = self.model_runner.call("run", scheduled_step(seqs, is_prefill))
                 launched = (self.scheduler.commit(seqs, is_prefill), pending)
             elif self.inflight is None:
                 raise RuntimeError("the scheduler could not schedule any request (internal error)")
@@ -313,7 +314,7 @@ class LLMEngine:
         return step, finished
 
     @staticmethod
-    def _add_logprobs(seqs: list[Sequence], alive: list[bool], output):
+    def _add_logprobs(seqs: list[Sequence], alive: list[bool], output: StepOutput):
         rows = zip(seqs, alive, output.logprob_token_ids.tolist(), output.logprobs.tolist())
         for seq, live, ids, logprobs in rows:
             n = seq.sampling_params.logprobs
