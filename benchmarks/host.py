@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import Scheduler, scheduled_step
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.sampling_metadata import build_sampling_metadata
 from nanovllm.runner.step_inputs import StepInputs
@@ -51,15 +51,16 @@ def main():
         seqs, is_prefill = scheduler.schedule()
         schedule_s += time.perf_counter() - start
         start = time.perf_counter()
-        inputs.prepare_decode(seqs)
-        build_sampling_metadata(seqs, vocab_size, inputs.to_device, inputs.inflight_tokens)
+        step = scheduled_step(seqs, is_prefill)
+        inputs.prepare_decode(step)
+        build_sampling_metadata(step.sampling, vocab_size, inputs.to_device)
         inputs_s += time.perf_counter() - start
         start = time.perf_counter()
-        step = scheduler.commit(seqs, is_prefill)
+        committed = scheduler.commit(seqs, is_prefill)
         schedule_s += time.perf_counter() - start
         tokens = [rng.randrange(1, 10000) for _ in seqs]
         middle = time.perf_counter()
-        scheduler.postprocess(step, tokens)
+        scheduler.postprocess(committed, tokens)
         postprocess_s += time.perf_counter() - middle
         assert not is_prefill and len(seqs) == args.batch
     print(f"batch {args.batch}: schedule {schedule_s / args.steps * 1e3:.3f} ms/step, "

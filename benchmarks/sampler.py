@@ -11,6 +11,7 @@ from random import randint
 import torch
 
 from benchmarks.gpu_timing import bench, emit, save_report
+from nanovllm.engine.scheduler import step_sampling
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels.sampling import sample_triton
 from nanovllm.runner.sampler_graphs import SamplerGraphs
@@ -86,13 +87,14 @@ def bench_mixed_sampling(every_control: dict, vocab_size: int = VOCAB, num_rows:
     graphs = SamplerGraphs(sampler, num_rows)
 
     def eager_step(batch: int, seqs: list) -> list[int]:
-        meta = build_sampling_metadata(seqs, vocab_size, to_device)
+        meta = build_sampling_metadata(step_sampling(seqs), vocab_size, to_device)
         return sampler(logits[:batch], meta).token_ids.tolist()
 
     def graphed_step(batch: int, seqs: list) -> list[int]:
-        if not graphs.applies(seqs):
+        sampling = step_sampling(seqs)
+        if not graphs.applies(sampling):
             return eager_step(batch, seqs)
-        return graphs(logits[:batch], seqs, to_device).token_ids.tolist()
+        return graphs(logits[:batch], sampling, to_device).token_ids.tolist()
 
     runs = [(num_rows, name) for name in batches]
     runs += [(1, "temperature only"), (1, "every control, every row")]

@@ -22,11 +22,12 @@ from nanovllm.engine.colocate import ModelConfig, ModelExecutor
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.outputs import StreamOutput, request_output, stream_outputs
 from nanovllm.engine.requests import Request, RequestLimits
-from nanovllm.engine.scheduler import CommittedStep, Scheduler
+from nanovllm.engine.scheduler import CommittedStep, Scheduler, scheduled_step
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.weight_ops import WeightOps
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput, free_port, run_worker
 from nanovllm.runner.shm_channel import NO_MAIN_GUARD_EXIT_CODE, ShmChannel, WorkerDiedError
+from nanovllm.step import StepOutput
 
 NCCL_ABORT_SECONDS = 5.0  # how long exit waits for NCCL to abort a dead worker's collectives
 EXIT_LOCK_SECONDS = 30.0  # how long exit waits for another thread's step to end
@@ -299,7 +300,7 @@ class LLMEngine(WeightOps):
             seqs, is_prefill = self.scheduler.schedule()
             launched = None
             if seqs:
-                pending = self.model_runner.call("run", seqs, is_prefill)
+                pending = self.model_runner.call("run", scheduled_step(seqs, is_prefill))
                 launched = (self.scheduler.commit(seqs, is_prefill), pending)
             elif self.inflight is None:
                 raise RuntimeError("the scheduler could not schedule any request (internal error)")
@@ -337,7 +338,7 @@ class LLMEngine(WeightOps):
         return step, finished
 
     @staticmethod
-    def _add_logprobs(seqs: list[Sequence], alive: list[bool], output):
+    def _add_logprobs(seqs: list[Sequence], alive: list[bool], output: StepOutput):
         rows = zip(seqs, alive, output.logprob_token_ids.tolist(), output.logprobs.tolist())
         for seq, live, ids, logprobs in rows:
             n = seq.sampling_params.logprobs

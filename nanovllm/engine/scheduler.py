@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.step import ScheduledStep, StepSampling
 
 
 @dataclass
@@ -15,6 +16,42 @@ class CommittedStep:
     sampled: list[Sequence]  # the sequences that get a token from this step, in row order
     num_cached_before: list[int]
     num_tokens: int
+
+
+def scheduled_step(seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
+    """The step the runner is handed for `seqs` as scheduled (before `commit`), by rows."""
+    if not is_prefill:  # a decode row computes its last token (maybe in flight) and samples
+        n = len(seqs)
+        return ScheduledStep(False, [seq.seq_id for seq in seqs],
+                             [seq.token_ids[-1] for seq in seqs], [1] * n,
+                             [seq.num_cached_tokens for seq in seqs],
+                             [seq.block_table for seq in seqs], [True] * n, {},
+                             step_sampling(seqs))
+    step = ScheduledStep(True)
+    prompt_row = -1
+    for row, seq in enumerate(seqs):
+        step.seq_ids.append(seq.seq_id)
+        step.token_ids += seq.scheduled_token_ids()
+        step.num_scheduled_tokens.append(seq.num_scheduled_tokens)
+        step.num_computed_tokens.append(seq.num_cached_tokens)
+        step.block_tables.append(seq.block_table)
+        step.samples.append(seq.completes_prefill)
+        if seq.num_scheduled_tokens:
+            prompt_row = row
+        else:  # _fork puts a prompt's forks right after it
+            step.forks[row] = prompt_row
+    step.sampling = step_sampling([seq for seq in seqs if seq.completes_prefill])
+    return step
+
+
+def step_sampling(sampled: list[Sequence]) -> StepSampling:
+    """The sampling settings of the sequences that get a token, in row order; updates their
+    token histories (penalties)."""
+    return StepSampling(
+        [seq.sampling for seq in sampled], [seq.num_tokens for seq in sampled],
+        {row: ids for row, seq in enumerate(sampled)
+         if seq.sampling.stop_ids and (ids := seq.suppressed_stop_ids)},
+        {row: seq.token_array() for row, seq in enumerate(sampled) if seq.sampling.uses_penalties})
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int,

@@ -6,9 +6,10 @@ from dataclasses import replace
 from enum import Enum, auto
 from itertools import count
 
-from nanovllm.sampling_params import SamplingParams
+import numpy as np
 
-PLACEHOLDER = -1  # in token_ids: a token sampled by a step still running on the GPU
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.step import PLACEHOLDER, RequestSampling
 
 
 class SequenceStatus(Enum):
@@ -34,23 +35,17 @@ class Sequence:
         self.num_inflight = 0  # trailing PLACEHOLDERs, counted in num_tokens like any token
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
-        self.temperature = sampling_params.temperature
+        self.sampling = RequestSampling.of(sampling_params, len(token_ids), eos_token_ids)
         self.max_tokens = sampling_params.max_tokens
         self.min_tokens = sampling_params.min_tokens
         self.ignore_eos = sampling_params.ignore_eos
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
-        # The sampler masks these until min_tokens (as vLLM: EOS too, even with ignore_eos).
-        stop_ids = self.stop_token_ids.union(eos_token_ids)
-        self.min_tokens_stop_ids = sorted(stop_ids) if self.min_tokens else []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
-        self.only_temperature = sampling_params.uses_only_temperature
-        self.token_history = None  # token_ids as numpy, for penalties, grown by the sampler
+        self.token_history: TokenHistory | None = None  # for penalties (token_array)
         self.detokenizer = None
-        # Where token num_cached_tokens is in token_ids: workers receive only the step's tokens.
-        self._first_token_index = 0
         # SamplingParams.n: sample 0 is the parent; samples 1.. wait in its `forks`, in no queue,
         # until the step that completes its prompt forks them (Scheduler._fork).
         self.sample_index = 0
@@ -62,8 +57,9 @@ class Sequence:
         params = self.sampling_params
         for i in range(1, params.n):
             seed = None if params.seed is None else (params.seed + i) % 2**64
-            child = Sequence(self.token_ids, replace(params, seed=seed), self.block_size)
-            child.min_tokens_stop_ids = self.min_tokens_stop_ids
+            # This sequence's masked stop ids hold the EOS ids: the child masks the same.
+            child = Sequence(self.token_ids, replace(params, seed=seed), self.block_size,
+                             self.sampling.stop_ids)
             child.sample_index, child.parent = i, self
             self.forks.append(child)
         return [self, *self.forks]
@@ -101,8 +97,23 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def scheduled_token_ids(self) -> list[int]:
-        start = self.num_cached_tokens - self._first_token_index
-        return self.token_ids[start:start + self.num_scheduled_tokens]
+        return self.token_ids[self.num_cached_tokens:self.num_cached_tokens
+                              + self.num_scheduled_tokens]
+
+    @property
+    def suppressed_stop_ids(self) -> tuple[int, ...]:
+        """The stop ids the sampler masks now: all of them while short of min_tokens."""
+        stop_ids = self.sampling.stop_ids
+        if stop_ids and self.num_tokens - self.num_prompt_tokens < self.min_tokens:
+            return stop_ids
+        return ()
+
+    def token_array(self) -> np.ndarray:
+        """The known token ids (prompt, then output; not those in flight) as int64, for
+        penalties; each call converts only the tokens new since the last."""
+        if self.token_history is None:
+            self.token_history = TokenHistory()
+        return self.token_history.update(self.token_ids, self.num_tokens - self.num_inflight)
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
@@ -122,14 +133,19 @@ class Sequence:
         del self.token_ids[self.num_tokens:]
         self.num_inflight = 0
 
-    # Workers get counts, the block table and the step's tokens (in decode, maybe a PLACEHOLDER).
-    def __getstate__(self):
-        return (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.block_size,
-                self.num_cached_tokens, self.num_scheduled_tokens, self.block_table,
-                self.scheduled_token_ids())
 
-    def __setstate__(self, state):
-        (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.block_size,
-         self.num_cached_tokens, self.num_scheduled_tokens, self.block_table,
-         self.token_ids) = state
-        self._first_token_index = self.num_cached_tokens
+class TokenHistory:
+    """A growing int64 copy of a sequence's token ids: each update converts only the new tokens."""
+
+    def __init__(self):
+        self.array = np.empty(0, dtype=np.int64)
+        self.length = 0
+
+    def update(self, token_ids: list[int], n: int) -> np.ndarray:
+        if n > len(self.array):
+            grown = np.empty(max(n, 2 * len(self.array)), dtype=np.int64)
+            grown[:self.length] = self.array[:self.length]
+            self.array = grown
+        self.array[self.length:n] = token_ids[self.length:n]
+        self.length = n
+        return self.array[:n]

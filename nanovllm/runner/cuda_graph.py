@@ -3,11 +3,10 @@
 import numpy as np
 import torch
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata
 from nanovllm.runner.host_to_device import ALIGNMENT, pinned, to_device_packed
-from nanovllm.runner.sampling_metadata import only_temperature
 from nanovllm.sampling.sampler import Sampler, SamplingMetadata
+from nanovllm.step import ScheduledStep, StepSampling
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -62,7 +61,7 @@ class DecodeGraphs:
     def _capture_all(self, runner):
         # Largest first, so smaller graphs fit in the memory pool the largest one reserved.
         for bs in reversed(self.buckets):
-            host = runner.inputs.decode_rows([], bs, self.max_blocks_per_seq)
+            host = runner.inputs.decode_rows(ScheduledStep(False), bs, self.max_blocks_per_seq)
             rows = to_device_packed(host, self.to_device)
             meta = AttentionMetadata(is_prefill=False, slot_mapping=rows["slot_mapping"],
                                      context_lens=rows["context_lens"],
@@ -95,8 +94,9 @@ class DecodeGraphs:
         self.graphs[graph_bs].replay()
         return self.outputs[graph_bs][:num_seqs]
 
-    def samples(self, seqs: list[Sequence]) -> bool:
-        return self.sampler is not None and only_temperature(seqs)
+    def samples(self, sampling: StepSampling | None) -> bool:
+        """Whether the head graph samples the step: on one GPU, every row by temperature alone."""
+        return self.sampler is not None and sampling.only_temperature
 
     def sample(self, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:
         """The tokens [num_seqs] of the step just replayed: a view valid until the next sample."""

@@ -14,16 +14,16 @@ import torch.distributed as dist
 from nanovllm.checkpoint.hf_config import head_dim
 from nanovllm.checkpoint.loader import load_model, load_weights
 from nanovllm.config import Config
-from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels.attention.kv_cache import bytes_per_token
 from nanovllm.models import model_class
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.sampler_graphs import SamplerGraphs
-from nanovllm.runner.sampling_metadata import ALL_CONTROLS, build_sampling_metadata
+from nanovllm.runner.sampling_metadata import build_sampling_metadata, every_control
 from nanovllm.runner.shm_channel import ShmChannel, WorkerEnd
 from nanovllm.runner.sleep import Offloaded
 from nanovllm.runner.step_inputs import StepInputs
 from nanovllm.sampling.sampler import Sampler, SamplerOutput
+from nanovllm.step import ScheduledStep, StepOutput, StepSampling
 
 CPU_KV_CACHE_BYTES = 2 << 30  # KV pool budget on CPU when num_kvcache_blocks is not given
 WORKER_CHECK_SECONDS = 0.01  # how often rank 0, waiting for a step, checks that the workers live
@@ -95,8 +95,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_kv_heads = hf.num_key_value_heads // self.world_size
         self.head_dim = head_dim(hf)
+        # On one GPU the decode graphs sample too (the workers do not know the requests' settings).
+        graphs_sample = is_cuda and not config.enforce_eager and self.world_size == 1
         self.inputs = StepInputs(self.device, self.block_size,
-                                 decode_order=config.attention_backend == "triton")
+                                 decode_order=config.attention_backend == "triton",
+                                 decode_temperatures=graphs_sample,
+                                 dequant_workspace=self._dequant_workspace())
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs = self.sampler_graphs = None
         self.offloaded: dict[str, Offloaded] = {}  # what sleep() freed, by wake_up tag
@@ -109,8 +113,7 @@ class ModelRunner:
     def _capture_graphs(self):
         # With tensor parallelism the workers, which do not know the requests' sampling, run
         # lm_head's gather eagerly every step; on one GPU the decode graphs sample too.
-        sampler = self.sampler if self.world_size == 1 else None
-        self.inputs.decode_temperatures = sampler is not None
+        sampler = self.sampler if self.inputs.decode_temperatures else None
         self.graphs = DecodeGraphs(self, self.config.max_num_seqs, self.max_blocks_per_seq,
                                    sampler)
 
@@ -194,6 +197,16 @@ class ModelRunner:
         if not self.offloaded:
             self.moved = False
 
+    def _dequant_workspace(self) -> torch.Tensor | None:
+        """[2, tokens, kv_heads, head_dim]: where prefill dequantizes an fp8 prefix (a context, or
+        a prefill) for the Triton backend; allocated before the profile, which counts it."""
+        if not (self.config.kv_cache_torch_dtype == torch.float8_e4m3fn
+                and self.config.attention_backend == "triton"):
+            return None
+        capacity = max(self.config.max_model_len, self.config.max_num_batched_tokens)
+        return torch.empty(2, capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+
     def _allocate_kv_cache(self) -> int:
         """Allocate [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets its views;
         fp8: V viewed [blocks, kv_heads, head_dim, block_size], scales [2, layers, blocks,
@@ -201,11 +214,6 @@ class ModelRunner:
         hf = self.config.hf_config
         cache_dtype = self.config.kv_cache_torch_dtype
         fp8 = cache_dtype == torch.float8_e4m3fn
-        # Where prefill dequantizes an fp8 prefix (a context, or a prefill), counted by the profile.
-        if fp8 and self.config.attention_backend == "triton":
-            capacity = max(self.config.max_model_len, self.config.max_num_batched_tokens)
-            self.inputs.dequant_workspace = torch.empty(
-                2, capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         num_blocks = self._num_kv_blocks(cache_dtype)
         shape = (2, hf.num_hidden_layers, num_blocks)
         # An fp8 cache must hold no NaN, not even in slots never written (kv_cache.py).
@@ -253,15 +261,14 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
         lens = [min(max_len, num_tokens - i) for i in range(0, num_tokens, max_len)]
-        seqs = [_dummy_sequence(n, self.block_size) for n in lens]
-        input_ids, positions, meta, _ = self.inputs.prepare_prefill(seqs)
+        input_ids, positions, meta, _ = self.inputs.prepare_prefill(
+            _dummy_prefill(lens, self.block_size))
         hidden = self.model(input_ids, positions, meta)
         rows = hidden[-1:].expand(self.config.max_num_seqs, -1)
         logits = self.model.compute_logits(rows)
         if self.rank == 0:
             # Every control on: the sampler's most memory-hungry path.
-            profiled = [Sequence([0], ALL_CONTROLS, self.block_size)] * len(rows)
-            self.sampler(logits, build_sampling_metadata(profiled, logits.shape[1],
+            self.sampler(logits, build_sampling_metadata(every_control(len(rows)), logits.shape[1],
                                                          self.inputs.to_device))
         del hidden, rows, logits
         torch.cuda.synchronize()
@@ -272,38 +279,37 @@ class ModelRunner:
         return int(total * self.config.gpu_memory_utilization - used_outside_peak - peak)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> "PendingOutput | None":
+    def run(self, step: ScheduledStep) -> "PendingOutput | None":
         """Launch one step; on rank 0, return its sampled tokens on their way to the host."""
-        if is_prefill:
-            input_ids, positions, meta, sample_rows = self.inputs.prepare_prefill(seqs)
+        if step.is_prefill:
+            input_ids, positions, meta, sample_rows = self.inputs.prepare_prefill(step)
             hidden = self.model(input_ids, positions, meta)[sample_rows]
-            self._copy_blocks(self.inputs.fork_block_copies(seqs))
-            sampling_seqs = [seq for seq in seqs if seq.completes_prefill]
+            self._copy_blocks(self.inputs.fork_block_copies(step))
         else:
             graphs = self.graphs
-            if graphs is not None and len(seqs) > graphs.max_batch_size:
+            if graphs is not None and len(step) > graphs.max_batch_size:
                 graphs = None
-            input_ids, positions, meta = self.inputs.prepare_decode(seqs, graphs)
+            input_ids, positions, meta = self.inputs.prepare_decode(step, graphs)
             if graphs is not None:
-                hidden = graphs.replay(meta, len(seqs))
+                hidden = graphs.replay(meta, len(step))
             else:
                 hidden = self.model(input_ids, positions, meta)
-            if graphs is not None and graphs.samples(seqs):  # lm_head and the sampler, in graphs
-                tokens = graphs.sample(meta, len(seqs))
-                self.inputs.keep_sampled(tokens, seqs)
+            if graphs is not None and graphs.samples(step.sampling):  # lm_head, sampler in graphs
+                tokens = graphs.sample(meta, len(step))
+                self.inputs.keep_sampled(tokens, step.seq_ids)
                 return PendingOutput(SamplerOutput(tokens), self.channel)
-            sampling_seqs = seqs
         logits = self.model.compute_logits(hidden)
-        if not sampling_seqs:
+        seq_ids = step.sampled_seq_ids
+        if not seq_ids:
             return None
         if self.rank == 0:
-            output = self._sample(logits, sampling_seqs)
+            output = self._sample(logits, step.sampling, seq_ids)
             tokens = output.token_ids
         else:
-            tokens = torch.empty(len(sampling_seqs), dtype=torch.int64, device=self.device)
+            tokens = torch.empty(len(seq_ids), dtype=torch.int64, device=self.device)
         if self.world_size > 1:
             dist.broadcast(tokens, src=0)
-        self.inputs.keep_sampled(tokens, sampling_seqs)
+        self.inputs.keep_sampled(tokens, seq_ids)
         return PendingOutput(output, self.channel) if self.rank == 0 else None
 
     def _copy_blocks(self, copies: list[tuple[int, int]]):
@@ -315,12 +321,18 @@ class ModelRunner:
             if pool is not None:
                 pool[:, :, dst] = pool[:, :, src]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        if self.sampler_graphs is not None and self.sampler_graphs.applies(seqs):
-            return self.sampler_graphs(logits, seqs, self.inputs.to_device,
-                                       self.inputs.inflight_tokens, self.inputs.seed)
-        meta = build_sampling_metadata(seqs, logits.shape[1], self.inputs.to_device,
-                                       self.inputs.inflight_tokens, seed=self.inputs.seed)
+    def _sample(self, logits: torch.Tensor, sampling: StepSampling,
+                seq_ids: list[int]) -> SamplerOutput:
+        """A token per sampling row (`seq_ids`: their sequences, whose in-flight tokens penalties
+        read on the device)."""
+        def inflight_tokens(rows: list[int]) -> torch.Tensor:
+            return self.inputs.inflight_tokens([seq_ids[row] for row in rows])
+
+        if self.sampler_graphs is not None and self.sampler_graphs.applies(sampling):
+            return self.sampler_graphs(logits, sampling, self.inputs.to_device, inflight_tokens,
+                                       self.inputs.seed)
+        meta = build_sampling_metadata(sampling, logits.shape[1], self.inputs.to_device,
+                                       inflight_tokens, seed=self.inputs.seed)
         return self.sampler(logits, meta)
 
 
@@ -328,14 +340,18 @@ class PendingOutput:
     """A step's sampled tokens, copied to the host behind the step's GPU work."""
 
     def __init__(self, output: SamplerOutput, channel: ShmChannel | None):
-        self.output = output.to_host()
+        host = output.to_host()
+        # Views of the host copies (pinned on CUDA), filled once the event has passed.
+        self.output = StepOutput(*(None if t is None else t.numpy()
+                                   for t in (host.token_ids, host.logprob_token_ids,
+                                             host.logprobs)))
         self.event = None
         if output.token_ids.is_cuda:
             self.event = torch.cuda.Event()
             self.event.record()
         self.channel = channel
 
-    def result(self) -> SamplerOutput:
+    def result(self) -> StepOutput:
         """Wait for the copies, checking that the workers live: a dead one would hang the step."""
         if self.event is not None:
             if self.channel is None:
@@ -349,12 +365,8 @@ class PendingOutput:
         return self.output
 
 
-def _dummy_sequence(num_tokens: int, block_size: int) -> Sequence:
-    """A prefill of `num_tokens` for memory profiling, its slots all in block 0."""
-    from nanovllm.sampling_params import SamplingParams
-
-    seq = Sequence([0] * num_tokens, SamplingParams(), block_size)
-    seq.block_table = [0] * seq.num_blocks
-    seq.num_scheduled_tokens = num_tokens
-    return seq
-
+def _dummy_prefill(lens: list[int], block_size: int) -> ScheduledStep:
+    """A prefill of sequences of `lens` tokens for memory profiling, their slots all in block 0."""
+    return ScheduledStep(True, list(range(len(lens))), [0] * sum(lens), list(lens),
+                         [0] * len(lens), [[0] * -(-n // block_size) for n in lens],
+                         [True] * len(lens))

@@ -4,11 +4,11 @@ import copy
 
 import torch
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.cuda_graph import batch_buckets, smallest_bucket
 from nanovllm.runner.host_to_device import ToDevice
 from nanovllm.runner.sampling_metadata import InflightTokens, build_sampling_metadata
 from nanovllm.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanovllm.step import StepSampling
 
 Captured = tuple[torch.cuda.CUDAGraph, SamplingMetadata, SamplerOutput]
 
@@ -24,18 +24,18 @@ class SamplerGraphs:
         self.captured: dict[tuple, Captured] = {}
         self.pool = None
 
-    def applies(self, seqs: list[Sequence]) -> bool:
+    def applies(self, sampling: StepSampling) -> bool:
         """Not for a temperature-only batch (one kernel), nor one larger than the buckets."""
-        return len(seqs) <= self.max_batch_size and not all(seq.only_temperature for seq in seqs)
+        return len(sampling.requests) <= self.max_batch_size and sampling.uses_controls
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], to_device: ToDevice,
+    def __call__(self, logits: torch.Tensor, sampling: StepSampling, to_device: ToDevice,
                  inflight_tokens: InflightTokens | None = None,
                  seed: int | None = None) -> SamplerOutput:
-        """A token per sequence, as views of the graph's buffers, valid until its next replay."""
+        """A token per row, as views of the graph's buffers, valid until its next replay."""
         num_rows, vocab_size = logits.shape
         graph_rows = smallest_bucket(self.buckets, num_rows)
-        meta = build_sampling_metadata(seqs, vocab_size, to_device, inflight_tokens,
+        meta = build_sampling_metadata(sampling, vocab_size, to_device, inflight_tokens,
                                        num_rows=graph_rows, seed=seed)
         if self.logits is None:
             self.logits = logits.new_zeros(self.max_batch_size, vocab_size)

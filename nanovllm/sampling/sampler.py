@@ -60,12 +60,8 @@ class SamplingMetadata:
     row_seeds: torch.Tensor | None = None
     suppressed: tuple[torch.Tensor, torch.Tensor] | None = None
     num_logprobs: int | None = None
-
-    @property
-    def only_temperature(self) -> bool:
-        return (self.top_k is None and self.top_p is None and self.min_p is None
-                and self.penalties is None and self.row_seeds is None
-                and self.num_logprobs is None)
+    # No row uses a control (StepSampling.uses_controls): the one-pass sampler draws every row.
+    only_temperature: bool = True
 
     def tensors(self) -> list[torch.Tensor]:
         tensors = [self.temperatures, self.seed, self.top_k, self.top_p, self.min_p,

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling.logits_processor import apply_penalties
+from nanovllm.step import PLACEHOLDER
 from tests.conftest import NUM_NEW_TOKENS, _hf_model, hf_greedy
 
 pytestmark = pytest.mark.cpu_suite  # exact against transformers on the CPU (see conftest)
@@ -148,8 +149,8 @@ def test_triton_backend_greedy_matches_transformers(tiny_model, prompts, hf_refe
         orders = []  # (context lengths, decode order) of each decode step
         prepare = llm.llm_engine.model_runner.inputs.prepare_decode
 
-        def spy(seqs, *args):
-            input_ids, positions, meta = prepare(seqs, *args)
+        def spy(step, *args):
+            input_ids, positions, meta = prepare(step, *args)
             orders.append((meta.context_lens.tolist(), meta.decode_order.tolist()))
             return input_ids, positions, meta
 
@@ -168,10 +169,10 @@ def count_inflight_inputs(llm) -> list[tuple[int, int]]:
     counts = []
     prepare = llm.llm_engine.model_runner.inputs.prepare_decode
 
-    def spy(seqs, *args):
-        inflight = sum(seq.scheduled_token_ids()[0] == PLACEHOLDER for seq in seqs)
-        counts.append((inflight, len(seqs)))
-        return prepare(seqs, *args)
+    def spy(step, *args):
+        inflight = sum(token_id == PLACEHOLDER for token_id in step.token_ids)
+        counts.append((inflight, len(step)))
+        return prepare(step, *args)
 
     llm.llm_engine.model_runner.inputs.prepare_decode = spy
     return counts

@@ -119,9 +119,9 @@ def qk_norm_rope_configurations() -> dict:
 
 
 def other_configurations() -> dict:
-    filters = "nanovllm.sampling.filters"
+    filters = "nanovllm.kernels.sampling_filters"
     skinny = "nanovllm.kernels.gemm.skinny"
-    sampler = "nanovllm.sampling.sampler"
+    sampler = "nanovllm.kernels.sampling"
     norm = "nanovllm.kernels.norm"
     return {
         "sampler": (sampler, "_sample_kernel", SAMPLER, [],

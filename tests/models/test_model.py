@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nanovllm import LLM
+from nanovllm.engine.scheduler import scheduled_step
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 from tests.conftest import _hf_model
@@ -20,7 +21,7 @@ def our_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
         llm.llm_engine.scheduler.block_manager.allocate(seq, [])
         seq.num_scheduled_tokens = len(prompt)
         seqs.append(seq)
-    input_ids, positions, meta, _ = runner.inputs.prepare_prefill(seqs)
+    input_ids, positions, meta, _ = runner.inputs.prepare_prefill(scheduled_step(seqs, True))
     with torch.inference_mode():
         logits = runner.model.compute_logits(runner.model(input_ids, positions, meta))
     for seq in seqs:

@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.scheduler import scheduled_step
+from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.cuda_graph import batch_buckets, decode_inputs_bytes, smallest_bucket
 from nanovllm.runner.host_to_device import ALIGNMENT, to_device_packed
 from nanovllm.runner.step_inputs import StepInputs
+from nanovllm.step import PLACEHOLDER, ScheduledStep
 
 
 def test_packed_arrays_come_back_equal_and_aligned():
@@ -66,16 +68,17 @@ def test_decode_rows_are_padded_where_a_graph_reads_them(tiny_model, temperature
     capture (temperatures and seed too, when graphs sample; block tables last, 3 wide)."""
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64,
              attention_backend="triton") as llm:
-        inputs = llm.llm_engine.model_runner.inputs
-        inputs.decode_temperatures = temperatures
+        inputs = StepInputs(torch.device("cpu"), 16, decode_order=True,
+                            decode_temperatures=temperatures)
         inputs.seed = 12345
-        seqs = llm.llm_engine.add(llm.make_requests([[5, 6, 7], list(range(1, 21))],
-                                  [SamplingParams(temperature=0.5), SamplingParams(temperature=0)]))
+        params = [SamplingParams(temperature=0.5), SamplingParams(temperature=0)]
+        requests = llm.make_requests([[5, 6, 7], list(range(1, 21))], params)
+        seqs = llm.llm_engine.add(requests)
         for block, seq in enumerate(seqs):  # as the scheduler leaves them for a decode step
             seq.block_table = [2 * block + 1, 2 * block + 2][:seq.num_blocks]
             seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
-        rows = inputs.decode_rows(seqs, 4, 3)
-        capture = inputs.decode_rows([], 4, 3)
+        rows = inputs.decode_rows(scheduled_step(seqs, is_prefill=False), 4, 3)
+        capture = inputs.decode_rows(ScheduledStep(is_prefill=False), 4, 3)
 
     assert {name: array.tolist() for name, array in rows.items()} == {
         "input_ids": [7, 20, 0, 0], "positions": [2, 19, 0, 0],
@@ -115,14 +118,15 @@ def in_flight_decode_batch(num_seqs: int, blocks_per_seq: int = 1,
 def test_the_largest_decode_step_fits_the_graphs_input_buffer():
     """A full batch at its widest, every token in flight: what the graphs' input buffer holds."""
     rows, width, block_size = 64, 4, 16
-    inputs = StepInputs(torch.device("cpu"), block_size, decode_order=True)
-    inputs.decode_temperatures = True  # as for decode graphs that sample
+    # Temperatures packed, as for decode graphs that sample.
+    inputs = StepInputs(torch.device("cpu"), block_size, decode_order=True,
+                        decode_temperatures=True)
     seqs = in_flight_decode_batch(rows, width, block_size)
     # Sampled in the other order: gathered through the (packed) in-flight arrays, not copied.
-    inputs.keep_sampled(torch.arange(100, 100 + rows), seqs[::-1])
+    inputs.keep_sampled(torch.arange(100, 100 + rows), [seq.seq_id for seq in seqs[::-1]])
     packed = []
     inputs.to_device = lambda array: packed.append(array.nbytes) or torch.from_numpy(array)
-    input_ids, _, meta = inputs.prepare_decode(seqs)
+    input_ids, _, meta = inputs.prepare_decode(scheduled_step(seqs, is_prefill=False))
     assert input_ids.tolist() == list(range(100 + rows - 1, 99, -1))  # read "on the device"
     assert meta.block_tables.shape == (rows, width)
     capacity = decode_inputs_bytes(rows, width)
@@ -145,7 +149,7 @@ def test_in_flight_tokens_in_the_last_steps_order_are_copied(monkeypatch, rows, 
 
     inputs = StepInputs(torch.device("cpu"), 16, decode_order=False)
     last = in_flight_decode_batch(3)
-    inputs.keep_sampled(torch.tensor([7, 8, 9]), last)
+    inputs.keep_sampled(torch.tensor([7, 8, 9]), [seq.seq_id for seq in last])
     packed_names = []
 
     def spy(arrays, to_device):
@@ -153,7 +157,7 @@ def test_in_flight_tokens_in_the_last_steps_order_are_copied(monkeypatch, rows, 
         return to_device_packed(arrays, to_device)
 
     monkeypatch.setattr(step_inputs, "to_device_packed", spy)
-    input_ids, _, _ = inputs.prepare_decode([last[row] for row in rows])
+    input_ids, _, _ = inputs.prepare_decode(scheduled_step([last[row] for row in rows], False))
     assert input_ids.tolist() == [7 + row for row in rows]
     assert ("inflight" in packed_names[0]) == (not copied)
 
@@ -162,14 +166,14 @@ def test_each_step_draws_one_noise_seed_from_torchs_generator():
     """Each prepare_* draws the step's seed: torch.manual_seed reproduces it, a new step differs."""
     inputs = StepInputs(torch.device("cpu"), 16, decode_order=False)
     seqs = in_flight_decode_batch(2)
-    inputs.keep_sampled(torch.tensor([7, 8]), seqs)
+    inputs.keep_sampled(torch.tensor([7, 8]), [seq.seq_id for seq in seqs])
     prompt = Sequence([1, 2, 3], SamplingParams(), 16)
     prompt.block_table, prompt.num_scheduled_tokens = [5], 3
     drawn = []
     for _ in range(2):
         torch.manual_seed(4)
-        inputs.prepare_decode(seqs)
+        inputs.prepare_decode(scheduled_step(seqs, is_prefill=False))
         first = inputs.seed
-        inputs.prepare_prefill([prompt])
+        inputs.prepare_prefill(scheduled_step([prompt], is_prefill=True))
         drawn.append((first, inputs.seed))
     assert drawn[0] == drawn[1] and drawn[0][0] != drawn[0][1]

@@ -7,11 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nanovllm.engine.scheduler import step_sampling
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import sampling_filters
 from nanovllm.kernels.sampling import sample_triton
 from nanovllm.runner.sampler_graphs import SamplerGraphs
-from nanovllm.runner.sampling_metadata import build_sampling_metadata, only_temperature
+from nanovllm.runner.sampling_metadata import build_sampling_metadata
 from nanovllm.sampling import sampler as sampler_module
 from nanovllm.sampling.filters import filter_thresholds
 from nanovllm.sampling.logits_processor import apply_penalties
@@ -26,7 +27,7 @@ KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def metadata(seqs: list[Sequence], vocab_size: int, device: torch.device = CPU,
              num_rows: int | None = None) -> SamplingMetadata:
-    return build_sampling_metadata(seqs, vocab_size,
+    return build_sampling_metadata(step_sampling(seqs), vocab_size,
                                    lambda array: torch.from_numpy(array).to(device),
                                    num_rows=num_rows)
 
@@ -265,8 +266,12 @@ def test_min_tokens_suppresses_eos_and_stop_ids(impl):
 
 
 def test_a_row_short_of_min_tokens_keeps_its_step_off_the_one_pass_sampler():
-    """only_temperature (whether a decode graph samples the step) is false while a row's stop ids
-    are suppressed or with any control; a min_tokens with nothing to suppress keeps it true."""
+    """StepSampling.only_temperature (whether a decode graph samples the step) is false while a
+    row's stop ids are suppressed or with any control; a min_tokens with nothing to suppress keeps
+    it true."""
+    def only_temperature(seqs: list[Sequence]) -> bool:
+        return step_sampling(seqs).only_temperature
+
     held = Sequence([1, 2], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4]), 16,
                     eos_token_ids={7})
     plain = rows([SamplingParams(temperature=0.7),
@@ -367,7 +372,7 @@ def test_padded_metadata_samples_the_same_rows(impl):
 def test_sampler_graphs_apply_to_batches_with_controls_within_the_buckets():
     graphs = SamplerGraphs(Sampler(), max_num_seqs=4)
     temperature, top_k = SamplingParams(temperature=0.6), SamplingParams(top_k=5)
-    seqs = lambda *params: [Sequence([1, 2], p, 16) for p in params]  # noqa: E731
+    seqs = lambda *params: step_sampling([Sequence([1, 2], p, 16) for p in params])  # noqa: E731
     assert not graphs.applies(seqs(temperature, SamplingParams(temperature=0)))  # one kernel
     assert graphs.applies(seqs(temperature, top_k))
     assert graphs.applies(seqs(top_k, top_k, top_k, top_k))
