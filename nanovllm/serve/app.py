@@ -62,6 +62,9 @@ class ServerState:
 def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
     """The app over `llm` (an LLM with one in-process engine); the engine loop runs while the app
     does (its lifespan). The caller owns `llm` and exits it after the server stops."""
+    if llm.llm_engine.config.skip_tokenizer_init:
+        raise ValueError("the server needs the model's tokenizer (text, chat templates, "
+                         "streamed text): start it without skip_tokenizer_init")
     state = ServerState(llm, model_name, api_key)
 
     @asynccontextmanager

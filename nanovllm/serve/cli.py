@@ -76,7 +76,7 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.se
     """Parse, start the engine, serve until SIGTERM or SIGINT, then exit the engine."""
     parser = serve_parser(prog)
     args = parser.parse_args(argv)
-    from nanovllm.serve.server import run_server  # fastapi and uvicorn: the [serve] extra
+    from nanovllm.serve.server import make_server  # fastapi and uvicorn: the [serve] extra
 
     try:
         from nanovllm.llm import LLM
@@ -85,9 +85,13 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.se
     except (TypeError, ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     with llm:
-        run_server(llm, args.served_model_name or args.model, args.host, args.port,
-                   api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
-                   log_level=args.log_level)
+        try:
+            server = make_server(llm, args.served_model_name or args.model, args.host, args.port,
+                                 api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
+                                 log_level=args.log_level)
+        except ValueError as e:
+            parser.error(str(e))
+        server.run()
 
 
 def main(argv: list[str] | None = None):

@@ -153,7 +153,11 @@ class EngineLoop:
         return stopping
 
     def _add(self, stream: RequestStream):
-        seqs = self.engine.add(stream.requests, detokenize=True)
+        try:
+            seqs = self.engine.add(stream.requests, detokenize=True)
+        except (ValueError, TypeError, RuntimeError) as e:  # this request's failure, not the loop's
+            stream._put(EngineStopped(f"the engine refused the request: {e}"))
+            return
         stream.seqs = seqs
         stream.pending = dict(enumerate(seqs))
         stream.sent = {index: (0, 0) for index in stream.pending}

@@ -47,11 +47,6 @@ def make_server(llm, model_name: str, host: str, port: int, api_key: str | None 
     return Server(config, app.state.server)
 
 
-def run_server(llm, model_name: str, host: str, port: int, **options):
-    """Serve in the foreground until SIGTERM or SIGINT; returns once every request is done."""
-    make_server(llm, model_name, host, port, **options).run()
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -11,6 +11,7 @@ import urllib.request
 
 import openai
 import pytest
+from conftest import ENGINE_OPTIONS
 from serve_helpers import TIMEOUT, wait_until
 
 from nanovllm.config import Config, option_names
@@ -41,6 +42,15 @@ def test_only_the_given_flags_reach_the_engine():
         serve_parser().parse_args(["m", "--max-model-len", "long"])
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["m", "--no-such-option", "1"])
+
+
+def test_the_server_needs_a_tokenizer(tiny_model):
+    from nanovllm import LLM
+    from nanovllm.serve.app import build_app
+
+    with LLM(tiny_model, skip_tokenizer_init=True, **ENGINE_OPTIONS) as llm:
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            build_app(llm, "tiny")
 
 
 def _healthy(url: str) -> bool:
