@@ -1,0 +1,140 @@
+"""HTTP serving against offline `generate`, in one run on one engine: upstream nano-vllm's bench.py
+workload (256 requests, 100-1,024 random tokens in and out, temperature 0.6, ignore_eos) sent by N
+concurrent streaming clients to the OpenAI-compatible server, then run by LLM.generate.
+
+    python -m benchmarks.serve                      # 256 requests, 64 clients (a GPU)
+    python -m benchmarks.serve --num-requests 8 --clients 4 --max-input-len 128 \\
+        --max-output-len 32                         # a CPU: a random SmolLM2-shaped checkpoint
+
+Reports each side's output throughput and their ratio, and the server's time to first token and
+inter-token latency (p50, p99), measured by the clients.
+"""
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import openai
+import torch
+
+from bench import resolve_model, upstream_workload
+from nanovllm import LLM
+from nanovllm.serve.server import ServerThread
+
+MODEL_NAME = "bench"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+async def one_request(aclient, prompt, params, ttfts: list, itls: list) -> int:
+    """Stream one completion; records its time to first token and each token's interval."""
+    start = last = time.perf_counter()
+    num_tokens = 0
+    chunks = await aclient.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=params.max_tokens,
+        temperature=params.temperature, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    async for chunk in chunks:
+        new = len(chunk.choices[0].token_ids or []) if chunk.choices else 0
+        if not new:
+            continue
+        now = time.perf_counter()
+        if num_tokens == 0:
+            ttfts.append(now - start)
+        else:
+            itls.extend([(now - last) / new] * new)
+        num_tokens += new
+        last = now
+    return num_tokens
+
+
+async def run_clients(url: str, prompts, params, num_clients: int):
+    """N clients, each sending the next request of the workload when its last one completes."""
+    ttfts, itls = [], []
+    queue = list(zip(prompts, params))[::-1]
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0,
+                                  timeout=3600) as aclient:
+
+        async def client() -> int:
+            tokens = 0
+            while queue:
+                prompt, sp = queue.pop()
+                tokens += await one_request(aclient, prompt, sp, ttfts, itls)
+            return tokens
+
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(client() for _ in range(num_clients))))
+        return tokens, time.perf_counter() - start, ttfts, itls
+
+
+def workload(num_requests: int, max_input_len: int, max_output_len: int):
+    """Upstream's draws, then cut to the given lengths (a CPU's smaller run; none at 1,024)."""
+    prompts, params = upstream_workload(num_requests)
+    for sp in params:
+        sp.max_tokens = min(sp.max_tokens, max_output_len)
+    return [p[:max_input_len] for p in prompts], params
+
+
+def offline(llm: LLM, prompts, params) -> tuple[int, float]:
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return sum(p.max_tokens for p in params), time.perf_counter() - start
+
+
+def served(llm: LLM, prompts, params, num_clients: int):
+    llm.reset_prefix_cache()
+    with ServerThread(llm, MODEL_NAME) as server:
+        return asyncio.run(run_clients(server.url, prompts, params, num_clients))
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--model", default=None, help="checkpoint (default: bench.py's, or on a CPU a random "
+                                      "SmolLM2-135M-shaped one)")
+    add("--num-requests", type=int, default=256)
+    add("--clients", type=int, default=64, help="concurrent HTTP clients")
+    add("--max-input-len", type=int, default=1024, help="prompts cut to this many tokens")
+    add("--max-output-len", type=int, default=1024, help="outputs cut to this many tokens")
+    add("--max-model-len", type=int, default=4096)
+    add("--enforce-eager", action="store_true")
+    return parser.parse_args()
+
+
+def default_model() -> str:
+    if torch.cuda.is_available():
+        return resolve_model(None, "qwen3-0.6b")
+    from benchmarks.cpu import checkpoint
+
+    return checkpoint()
+
+
+def main():
+    args = parse_args()
+    prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
+    with LLM(args.model or default_model(), max_model_len=args.max_model_len,
+             enforce_eager=args.enforce_eager) as llm:
+        llm.generate([prompts[0][:8]], params[0], use_tqdm=False)  # warm-up
+        offline_tokens, offline_seconds = offline(llm, prompts, params)
+        tokens, seconds, ttfts, itls = served(llm, prompts, params, args.clients)
+    assert tokens == offline_tokens, (tokens, offline_tokens)
+    offline_rate, served_rate = offline_tokens / offline_seconds, tokens / seconds
+    print(f"{args.num_requests} requests, {tokens} output tokens, {args.clients} clients")
+    print(f"offline generate: {offline_seconds:.2f} s, {offline_rate:,.1f} tok/s")
+    print(f"HTTP server:      {seconds:.2f} s, {served_rate:,.1f} tok/s "
+          f"({served_rate / offline_rate:.2f}x offline)")
+    print(f"time to first token: p50 {percentile(ttfts, 50) * 1e3:.1f} ms, "
+          f"p99 {percentile(ttfts, 99) * 1e3:.1f} ms (mean {statistics.mean(ttfts) * 1e3:.1f})")
+    print(f"inter-token latency: p50 {percentile(itls, 50) * 1e3:.2f} ms, "
+          f"p99 {percentile(itls, 99) * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

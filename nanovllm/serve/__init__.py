@@ -1,0 +1,2 @@
+"""An OpenAI-compatible HTTP server over one engine: `nanovllm serve MODEL` (`pip install -e
+".[serve]"`). build_app (app.py) makes the app; cli.py parses the options and runs uvicorn."""

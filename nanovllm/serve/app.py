@@ -1,0 +1,255 @@
+"""The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions, /health and
+/metrics, over one engine stepped by an EngineLoop."""
+
+import asyncio
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanovllm.llm import conversation_prompts
+from nanovllm.serve.engine_loop import EngineLoop, EngineStopped, RequestStream
+from nanovllm.serve.metrics import ServerMetrics
+from nanovllm.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    parse_request,
+)
+from nanovllm.serve.responses import (
+    ChoiceAccumulator,
+    TokenText,
+    chat_logprobs_count,
+    chat_messages,
+    check_supported,
+    sampling_params,
+)
+from nanovllm.serve.streams import (
+    chat_events,
+    chat_response,
+    completion_events,
+    completion_response,
+)
+
+
+@dataclass
+class ServerState:
+    """What every handler shares: the front, the engine's loop, the names and the metrics."""
+
+    llm: object  # nanovllm.LLM with one in-process engine
+    model_name: str
+    api_key: str | None = None
+    metrics: ServerMetrics = None
+    loop: EngineLoop | None = None
+    draining: bool = False  # set on SIGTERM: new requests get 503
+    created: int = field(default_factory=lambda: int(time.time()))
+    token_text: TokenText = None
+
+    def __post_init__(self):
+        self.metrics = self.metrics or ServerMetrics(self.model_name)
+        self.token_text = TokenText(self.llm.tokenizer)
+
+    @property
+    def serving(self) -> bool:
+        return not self.draining and self.loop is not None and self.loop.alive
+
+
+def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app over `llm` (an LLM with one in-process engine); the engine loop runs while the app
+    does (its lifespan). The caller owns `llm` and exits it after the server stops."""
+    if llm.llm_engine.config.skip_tokenizer_init:
+        raise ValueError("the server needs the model's tokenizer (text, chat templates, "
+                         "streamed text): start it without skip_tokenizer_init")
+    state = ServerState(llm, model_name, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = EngineLoop(llm.llm_engine, state.metrics)
+        try:
+            yield
+        finally:
+            state.draining = True
+            state.loop.stop()
+
+    app = FastAPI(title="nanovllm", lifespan=lifespan)
+    app.state.server = state
+    _add_guards(app, state)
+    _add_routes(app, state)
+    return app
+
+
+def _add_guards(app: FastAPI, state: ServerState):
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """/v1 needs the bearer key (when one is set) and a server that is not shutting down."""
+        if request.url.path.startswith("/v1"):
+            if state.api_key is not None and not _authorized(request, state.api_key):
+                return _error(APIError(401, "invalid or missing API key: send the header "
+                                       "'Authorization: Bearer <key>'", code="invalid_api_key"))
+            if not state.serving:
+                return _error(APIError(503, "the server is shutting down"))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return _error(error)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        return _error(APIError(500, f"internal error: {type(error).__name__}: {error}"))
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
+                                                                 api_key.encode())
+
+
+def _error(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _add_routes(app: FastAPI, state: ServerState):
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if state.serving else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.exposition(), media_type=ServerMetrics.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=state.model_name, created=state.created,
+                         max_model_len=state.llm.llm_engine.limits.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse_request(CompletionRequest, await request.body())
+        prompts, token_lists, stream = _submit_completion(state, body)
+        if body.stream:
+            return _event_stream(completion_events(state, body, stream, prompts))
+        results = await _collect(request, state, stream)
+        return completion_response(state, body, stream, results, prompts)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse_request(ChatCompletionRequest, await request.body())
+        stream = _submit_chat(state, body)
+        if body.stream:
+            return _event_stream(chat_events(state, body, stream))
+        results = await _collect(request, state, stream)
+        return chat_response(state, body, stream, results)
+
+
+def _check_model(state: ServerState, model: str | None):
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{state.model_name!r}", "model", "model_not_found")
+
+
+def _as_prompt_list(prompt) -> list:
+    """A completion's prompt as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    return list(prompt)
+
+
+def _submit_completion(state: ServerState, body: CompletionRequest):
+    """Tokenize, check and queue a completion request: (its prompts, token lists, stream)."""
+    _check_model(state, body.model)
+    check_supported(body)
+    prompts = _as_prompt_list(body.prompt)
+    try:
+        tokenizer = state.llm.tokenizer
+        token_lists = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = _rest_of_context(state, max(map(len, token_lists)))
+        params = sampling_params(body, max_tokens, body.logprobs)
+        requests = state.llm.make_requests(token_lists, params)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e)) from None
+    return prompts, token_lists, _submit(state, requests)
+
+
+def _submit_chat(state: ServerState, body: ChatCompletionRequest) -> RequestStream:
+    _check_model(state, body.model)
+    check_supported(body)
+    messages = chat_messages(body)
+    try:
+        (token_ids,) = conversation_prompts(state.llm.tokenizer, messages)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), "messages") from None
+    except Exception as e:  # the template itself refused (jinja's raise_exception)
+        raise APIError(400, f"the chat template failed: {e}", "messages") from None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = _rest_of_context(state, len(token_ids))
+    try:
+        params = sampling_params(body, max_tokens, chat_logprobs_count(body))
+        requests = state.llm.make_requests([token_ids], params)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e)) from None
+    return _submit(state, requests)
+
+
+def _rest_of_context(state: ServerState, num_prompt_tokens: int) -> int:
+    """max_tokens left unset: as many as the context and the KV pool leave (at least 1, so that
+    a prompt that already fills them gets the engine's own error)."""
+    limits = state.llm.llm_engine.limits
+    pool = limits.num_blocks * limits.block_size + 1  # the last token needs no KV slot
+    return max(1, min(limits.max_model_len, pool) - num_prompt_tokens)
+
+
+def _submit(state: ServerState, requests) -> RequestStream:
+    try:
+        return state.loop.submit(requests)
+    except EngineStopped as e:
+        raise APIError(503, str(e)) from None
+
+
+def _event_stream(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _disconnected(request: Request):
+    """Returns once the client has gone (the body is read: only a disconnect comes next)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(request: Request, state: ServerState,
+                   stream: RequestStream) -> ChoiceAccumulator:
+    """Every delta of a non-streamed request; a client that leaves, or a cancelled handler,
+    aborts the request (its blocks return at the next step)."""
+    results = ChoiceAccumulator(sum(r.params.n for r in stream.requests))
+
+    async def consume():
+        while deltas := await stream.next_deltas():
+            for delta in deltas:
+                results.add(delta)
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        consumer.cancel()
+        watcher.cancel()
+        state.loop.abort(stream)
+    if not consumer.done() or consumer.cancelled():
+        raise APIError(400, "the client disconnected")  # nobody reads this answer
+    if isinstance(consumer.exception(), EngineStopped):
+        raise APIError(503, str(consumer.exception()))
+    consumer.result()
+    return results

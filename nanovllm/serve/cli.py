@@ -1,0 +1,104 @@
+"""The command line: `nanovllm serve MODEL [--host] [--port] [--api-key] [engine options]`. The
+engine options are LLM's own, as flags built from the Config dataclass (names and types)."""
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+
+from nanovllm.config import Config, check_option_names, option_names
+
+DEFAULT_PORT = 8000
+API_KEY_ENV = "NANOVLLM_API_KEY"
+
+
+def flag_type(annotation) -> type:
+    """The argparse type of a Config field: int, float, str or bool (`X | None` is X)."""
+    if isinstance(annotation, types.UnionType):
+        kinds = [a for a in annotation.__args__ if a is not type(None)]
+        if len(kinds) == 1:
+            annotation = kinds[0]
+    if annotation in (int, float, str, bool):
+        return annotation
+    raise TypeError(f"no command-line flag for an option of type {annotation!r}")
+
+
+def add_engine_options(parser: argparse.ArgumentParser):
+    """One flag per engine option (`max_model_len` is `--max-model-len`); only the flags given
+    reach LLM, so the defaults are Config's."""
+    group = parser.add_argument_group("engine options (LLM(model, **options); docs: README.md)")
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for name in option_names():
+        field = fields[name]
+        kind = flag_type(field.type)
+        flag = "--" + name.replace("_", "-")
+        help = f"default: {field.default!r}"
+        if kind is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help)
+        else:
+            group.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
+                               metavar=kind.__name__.upper(), help=help)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser):
+    add = parser.add_argument
+    add("model", help="checkpoint directory, .gguf file or Hugging Face repo id")
+    add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    add("--port", type=int, default=DEFAULT_PORT)
+    add("--api-key", default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none)")
+    add("--served-model-name", default=None,
+        help="the model's name in requests and /v1/models (default: MODEL as given)")
+    add("--shutdown-timeout", type=float, default=30.0,
+        help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them")
+    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_options(parser)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options given on the command line, checked by Config's own name check."""
+    options = {name: getattr(args, name) for name in option_names() if hasattr(args, name)}
+    check_option_names(options)
+    return options
+
+
+def serve_parser(prog: str = "nanovllm serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="An OpenAI-compatible server (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics) over one nanovllm engine.")
+    add_serve_arguments(parser)
+    return parser
+
+
+def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.serve"):
+    """Parse, start the engine, serve until SIGTERM or SIGINT, then exit the engine."""
+    parser = serve_parser(prog)
+    args = parser.parse_args(argv)
+    from nanovllm.serve.server import make_server  # fastapi and uvicorn: the [serve] extra
+
+    try:
+        from nanovllm.llm import LLM
+
+        llm = LLM(args.model, **engine_options(args))
+    except (TypeError, ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    with llm:
+        try:
+            server = make_server(llm, args.served_model_name or args.model, args.host, args.port,
+                                 api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
+                                 log_level=args.log_level)
+        except ValueError as e:
+            parser.error(str(e))
+        server.run()
+
+
+def main(argv: list[str] | None = None):
+    """The `nanovllm` console script; `nanovllm serve ...` is its one command."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        print("usage: nanovllm serve MODEL [options]   (nanovllm serve --help for the options)",
+              file=sys.stderr)
+        sys.exit(2)
+    serve_main(argv[1:], prog="nanovllm serve")

@@ -1,0 +1,216 @@
+"""From OpenAI requests to the engine's SamplingParams, and from the engine's deltas to OpenAI's
+choices: the one place the wire format meets the engine's outputs."""
+
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.serve.engine_loop import ChoiceDelta
+from nanovllm.serve.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+# Fields passed to SamplingParams under the same name when the request sets them.
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                   "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+                   "skip_special_tokens")
+MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM's floor
+
+
+def check_supported(request):
+    """A 400 for a field the engine cannot honour, rather than an answer that ignores it."""
+    if request.logit_bias:
+        raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if request.best_of is not None and request.best_of != request.n:
+        raise APIError(400, "best_of other than n is not supported", "best_of")
+    if getattr(request, "suffix", None):
+        raise APIError(400, "suffix is not supported", "suffix")
+    if getattr(request, "tools", None):
+        raise APIError(400, "tools are not supported", "tools")
+    response_format = getattr(request, "response_format", None)
+    if response_format and response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format {'type': 'text'} is supported",
+                       "response_format")
+    if getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None:
+        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported "
+                       "yet; ask for echo or logprobs, not both", "echo")
+
+
+def sampling_params(request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; its own checks raise TypeError or
+    ValueError naming the field and the value (a 400)."""
+    fields = {name: getattr(request, name) for name in SAMPLING_FIELDS
+              if getattr(request, name) is not None}
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
+
+
+def chat_logprobs_count(request: ChatCompletionRequest) -> int | None:
+    """Chat's `logprobs` (a bool) and `top_logprobs` (how many) as SamplingParams.logprobs."""
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    return (request.top_logprobs or 0) if request.logprobs else None
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict]:
+    """The messages as {"role", "content": str} dicts for the chat template; text parts only."""
+    messages = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str)
+                   for part in content):
+                raise APIError(400, f"messages[{i}].content: only text parts "
+                               "({'type': 'text', 'text': str}) are supported", "messages")
+            content = "".join(part["text"] for part in content)
+        messages.append({"role": message.role, "content": content or ""})
+    if not messages:
+        raise APIError(400, "messages must not be empty", "messages")
+    return messages
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                 total_tokens=num_prompt_tokens + num_completion_tokens)
+
+
+class TokenText:
+    """Each token id's own text, as logprobs show it (decoded alone, cached)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def completion_logprobs(delta: ChoiceDelta, token_text: TokenText,
+                        text_offset: int) -> CompletionLogprobs:
+    """A delta's logprobs in the completions format; offsets count from `text_offset`."""
+    result = CompletionLogprobs()
+    for token_id, logprobs in zip(delta.token_ids, delta.logprobs):
+        text = token_text(token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(max(logprobs[token_id], MIN_LOGPROB))
+        result.top_logprobs.append({token_text(t): max(lp, MIN_LOGPROB)
+                                    for t, lp in logprobs.items()})
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+    return result
+
+
+def chat_logprobs(delta: ChoiceDelta, token_text: TokenText, top: int) -> ChatLogprobs:
+    """A delta's logprobs in the chat format: each token with its `top` most likely."""
+
+    def entry(token_id: int, logprob: float) -> TopLogprob:
+        text = token_text(token_id)
+        return TopLogprob(token=text, logprob=max(logprob, MIN_LOGPROB),
+                          bytes=list(text.encode("utf-8")))
+
+    content = []
+    for token_id, logprobs in zip(delta.token_ids, delta.logprobs):
+        # The sampled token comes first; the rest are the top ones, by rank.
+        best = sorted(logprobs.items(), key=lambda item: -item[1])[:top]
+        sampled = entry(token_id, logprobs[token_id])
+        content.append(TokenLogprob(**sampled.model_dump(),
+                                    top_logprobs=[entry(t, lp) for t, lp in best]))
+    return ChatLogprobs(content=content)
+
+
+class ChoiceAccumulator:
+    """A non-streamed response's choices, grown delta by delta."""
+
+    def __init__(self, num_choices: int):
+        self.text = [""] * num_choices
+        self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
+        self.logprobs: list[list[dict[int, float]] | None] = [None] * num_choices
+        self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * num_choices
+
+    def add(self, delta: ChoiceDelta):
+        i = delta.index
+        self.text[i] += delta.text
+        self.token_ids[i] += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs[i] = (self.logprobs[i] or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish[i] = (delta.finish_reason, delta.stop_reason)
+
+    def whole(self, i: int) -> ChoiceDelta:
+        """Choice i as one delta from its start."""
+        return ChoiceDelta(i, self.text[i], self.token_ids[i], self.logprobs[i], *self.finish[i])
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
+
+
+class CompletionChoices:
+    """One completion request's choices from its deltas: the echoed prompt first, logprobs with
+    their text offsets, token ids when asked."""
+
+    def __init__(self, request, prompts: list, tokenizer, token_text: TokenText):
+        self.request, self.token_text = request, token_text
+        self.n = request.n
+        self.echo = None
+        if request.echo:  # each prompt's text, once, ahead of its choices' first text
+            self.echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        self.started: set[int] = set()
+        self.offsets: dict[int, int] = {}
+
+    def choice(self, delta: ChoiceDelta) -> CompletionChoice:
+        i = delta.index
+        text = delta.text
+        if self.echo is not None and i not in self.started:
+            text = self.echo[i // self.n] + text
+        self.started.add(i)
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = completion_logprobs(delta, self.token_text, self.offsets.get(i, 0))
+            if logprobs.tokens:
+                self.offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        token_ids = delta.token_ids if self.request.return_token_ids else None
+        return CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                                token_ids=token_ids)
+
+
+class ChatChoices:
+    """One chat request's choices (whole) or chunk choices (deltas)."""
+
+    def __init__(self, request: ChatCompletionRequest, token_text: TokenText):
+        self.request, self.token_text = request, token_text
+
+    def _logprobs(self, delta: ChoiceDelta) -> ChatLogprobs | None:
+        if delta.logprobs is None:
+            return None
+        return chat_logprobs(delta, self.token_text, self.request.top_logprobs or 0)
+
+    def _token_ids(self, delta: ChoiceDelta) -> list[int] | None:
+        return delta.token_ids if self.request.return_token_ids else None
+
+    def choice(self, delta: ChoiceDelta) -> ChatChoice:
+        return ChatChoice(index=delta.index, message=AssistantMessage(content=delta.text),
+                          logprobs=self._logprobs(delta), finish_reason=delta.finish_reason,
+                          stop_reason=delta.stop_reason, token_ids=self._token_ids(delta))
+
+    @staticmethod
+    def role_chunk_choice(index: int) -> ChatChunkChoice:
+        """A choice's first chunk: the assistant's role, no text yet (as OpenAI)."""
+        return ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
+
+    def chunk_choice(self, delta: ChoiceDelta) -> ChatChunkChoice:
+        return ChatChunkChoice(index=delta.index, delta=Delta(content=delta.text),
+                               logprobs=self._logprobs(delta), finish_reason=delta.finish_reason,
+                               stop_reason=delta.stop_reason, token_ids=self._token_ids(delta))

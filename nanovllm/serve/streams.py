@@ -1,0 +1,94 @@
+"""A request's answer: whole (after its last delta) or as server-sent events, each choice's deltas
+as they come, then the usage chunk when asked, then `data: [DONE]`."""
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel
+
+from nanovllm.serve.engine_loop import EngineStopped, RequestStream
+from nanovllm.serve.protocol import (
+    APIError,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
+from nanovllm.serve.responses import ChatChoices, ChoiceAccumulator, CompletionChoices, usage
+
+DONE = "data: [DONE]\n\n"
+
+
+def _event(body: BaseModel | dict) -> str:
+    data = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+    return f"data: {data}\n\n"
+
+
+def _num_choices(stream: RequestStream) -> int:
+    return sum(r.params.n for r in stream.requests)
+
+
+def completion_response(state, body: CompletionRequest, stream: RequestStream,
+                        results: ChoiceAccumulator, prompts: list) -> CompletionResponse:
+    choices = CompletionChoices(body, prompts, state.llm.tokenizer, state.token_text)
+    return CompletionResponse(
+        id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name,
+        choices=[choices.choice(results.whole(i)) for i in range(_num_choices(stream))],
+        usage=usage(stream.num_prompt_tokens, results.num_completion_tokens))
+
+
+def chat_response(state, body: ChatCompletionRequest, stream: RequestStream,
+                  results: ChoiceAccumulator) -> ChatCompletionResponse:
+    choices = ChatChoices(body, state.token_text)
+    return ChatCompletionResponse(
+        id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name,
+        choices=[choices.choice(results.whole(i)) for i in range(_num_choices(stream))],
+        usage=usage(stream.num_prompt_tokens, results.num_completion_tokens))
+
+
+async def completion_events(state, body: CompletionRequest, stream: RequestStream,
+                            prompts: list) -> AsyncIterator[str]:
+    """A completion's server-sent events: one chunk per choice's delta."""
+    choices = CompletionChoices(body, prompts, state.llm.tokenizer, state.token_text)
+    meta = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
+    num_tokens = 0
+    try:
+        while deltas := await stream.next_deltas():
+            for delta in deltas:
+                num_tokens += len(delta.token_ids)
+                yield _event(CompletionResponse(**meta, choices=[choices.choice(delta)]))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _event(CompletionResponse(**meta, choices=[],
+                                            usage=usage(stream.num_prompt_tokens, num_tokens)))
+    except EngineStopped as e:
+        yield _event(APIError(503, str(e)).body())
+    finally:  # a client that left, or a cancelled task, aborts what is unfinished
+        state.loop.abort(stream)
+    yield DONE
+
+
+async def chat_events(state, body: ChatCompletionRequest,
+                      stream: RequestStream) -> AsyncIterator[str]:
+    """A chat completion's server-sent events: each choice's role, then its content deltas."""
+    choices = ChatChoices(body, state.token_text)
+    meta = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                model=state.model_name)
+    roles = [choices.role_chunk_choice(i) for i in range(_num_choices(stream))]
+    num_tokens = 0
+    try:
+        yield _event(ChatCompletionChunk(**meta, choices=roles))
+        while deltas := await stream.next_deltas():
+            for delta in deltas:
+                num_tokens += len(delta.token_ids)
+                yield _event(ChatCompletionChunk(**meta, choices=[choices.chunk_choice(delta)]))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _event(ChatCompletionChunk(**meta, choices=[],
+                                             usage=usage(stream.num_prompt_tokens, num_tokens)))
+    except EngineStopped as e:
+        yield _event(APIError(503, str(e)).body())
+    finally:  # a client that left, or a cancelled task, aborts what is unfinished
+        state.loop.abort(stream)
+    yield DONE

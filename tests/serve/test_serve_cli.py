@@ -1,0 +1,93 @@
+"""The command line: engine flags built from Config, and a real process stopped by SIGTERM."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+from conftest import ENGINE_OPTIONS
+from serve_helpers import TIMEOUT, wait_until
+
+from nanovllm.config import Config, option_names
+from nanovllm.serve.cli import engine_options, serve_parser
+from nanovllm.serve.server import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_every_engine_option_is_a_flag_of_its_type():
+    parser = serve_parser()
+    flags = {a.dest: a for a in parser._actions}
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for name in option_names():
+        assert name in flags, name
+        assert flags[name].option_strings == (
+            ["--" + name.replace("_", "-")] if fields[name].type is not bool
+            else ["--" + name.replace("_", "-"), "--no-" + name.replace("_", "-")])
+
+
+def test_only_the_given_flags_reach_the_engine():
+    args = serve_parser().parse_args(["m", "--max-model-len", "128", "--enforce-eager",
+                                      "--no-skip-tokenizer-init", "--gguf-file", "x.gguf"])
+    assert engine_options(args) == {"max_model_len": 128, "enforce_eager": True,
+                                    "skip_tokenizer_init": False, "gguf_file": "x.gguf"}
+    assert engine_options(serve_parser().parse_args(["m"])) == {}
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["m", "--max-model-len", "long"])
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["m", "--no-such-option", "1"])
+
+
+def test_the_server_needs_a_tokenizer(tiny_model):
+    from nanovllm import LLM
+    from nanovllm.serve.app import build_app
+
+    with LLM(tiny_model, skip_tokenizer_init=True, **ENGINE_OPTIONS) as llm:
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            build_app(llm, "tiny")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_sigterm_finishes_the_running_stream_and_exits_cleanly(tiny_model):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "nanovllm.serve", tiny_model, "--port", str(port),
+               "--served-model-name", "tiny", "--num-kvcache-blocks", "64",
+               "--kvcache-block-size", "16", "--max-model-len", "256", "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: _healthy(url) or process.poll() is not None, timeout=TIMEOUT,
+                   what="the server's start")
+        assert process.poll() is None, process.stdout.read().decode()
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+            assert json.load(response)["data"][0]["id"] == "tiny"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        chunks = client.completions.create(model="tiny", prompt="bye", max_tokens=100,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        first = next(iter(chunks))
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)  # the server now drains: the stream still completes
+        rest = list(chunks)
+        assert first.choices[0].finish_reason is None
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert process.wait(timeout=TIMEOUT) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        process.stdout.close()

@@ -1,0 +1,100 @@
+"""/v1/completions and /v1/models through the official client: the same tokens as offline."""
+
+import asyncio
+import math
+
+from conftest import MODEL_NAME, async_client
+from serve_helpers import completions_of
+
+from nanovllm import SamplingParams
+
+GREEDY = dict(temperature=0, max_tokens=12)
+TOKEN_PROMPTS = [[5, 17, 33, 90], [200, 201, 7], [64] * 20]
+
+
+def test_models_lists_the_served_model(client, llm):
+    (card,) = client.models.list().data
+    assert card.id == MODEL_NAME
+    assert card.max_model_len == llm.llm_engine.limits.max_model_len
+
+
+def test_greedy_text_equals_offline_generate(client, llm):
+    expected = completions_of(llm.generate(["Hello, world"], SamplingParams(**GREEDY),
+                                           use_tqdm=False)[0])[0]
+    response = client.completions.create(model=MODEL_NAME, prompt="Hello, world", **GREEDY,
+                                         extra_body={"return_token_ids": True})
+    (choice,) = response.choices
+    assert choice.text == expected["text"]
+    assert choice.token_ids == expected["token_ids"]
+    assert choice.finish_reason == "length"
+    num_prompt = len(llm.tokenizer.encode("Hello, world"))
+    assert response.usage.prompt_tokens == num_prompt
+    assert response.usage.completion_tokens == GREEDY["max_tokens"]
+    assert response.usage.total_tokens == num_prompt + GREEDY["max_tokens"]
+
+
+def test_a_batch_of_token_prompts_with_n_samples(client, llm):
+    params = SamplingParams(n=2, seed=7, temperature=0.8, max_tokens=8)
+    expected = [s for out in llm.generate(TOKEN_PROMPTS, params, use_tqdm=False)
+                for s in completions_of(out)]
+    response = client.completions.create(model=MODEL_NAME, prompt=TOKEN_PROMPTS, n=2, seed=7,
+                                         temperature=0.8, max_tokens=8,
+                                         extra_body={"return_token_ids": True})
+    assert [c.index for c in response.choices] == list(range(6))
+    assert [c.token_ids for c in response.choices] == [e["token_ids"] for e in expected]
+    assert response.usage.prompt_tokens == sum(map(len, TOKEN_PROMPTS))
+    assert response.usage.completion_tokens == 6 * 8
+
+
+def test_streamed_text_equals_the_whole_answer(client, server):
+    whole = client.completions.create(model=MODEL_NAME, prompt="Stream me", **GREEDY)
+
+    async def stream():
+        async with async_client(server) as aclient:
+            chunks = await aclient.completions.create(
+                model=MODEL_NAME, prompt="Stream me", stream=True,
+                stream_options={"include_usage": True}, **GREEDY)
+            return [chunk async for chunk in chunks]
+
+    chunks = asyncio.run(stream())
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_logprobs_are_the_engines(client, llm):
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+    expected = llm.generate([TOKEN_PROMPTS[0]], params, use_tqdm=False)[0]
+    expected_logprobs = (expected.outputs[0].logprobs if hasattr(expected, "outputs")
+                         else expected["logprobs"])
+    response = client.completions.create(model=MODEL_NAME, prompt=TOKEN_PROMPTS[0],
+                                         temperature=0, max_tokens=6, logprobs=3)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == 6
+    rows = zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, expected_logprobs)
+    for token, got, top, want in rows:
+        sampled = next(iter(want.values()))
+        sampled = getattr(sampled, "logprob", sampled)
+        assert math.isclose(got, sampled, rel_tol=1e-5, abs_tol=1e-6)
+        # The top 3 and the sampled token, keyed by text: byte tokens that are no character
+        # alone all read "\ufffd", so keys may merge.
+        assert token in top and 1 <= len(top) <= 4
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs.tokens))
+
+
+def test_echo_puts_the_prompt_first(client):
+    plain = client.completions.create(model=MODEL_NAME, prompt="Echo", **GREEDY)
+    echoed = client.completions.create(model=MODEL_NAME, prompt="Echo", echo=True, **GREEDY)
+    assert echoed.choices[0].text == "Echo" + plain.choices[0].text
+
+
+def test_a_stop_string_ends_the_choice(client):
+    text = client.completions.create(model=MODEL_NAME, prompt="Stop", **GREEDY).choices[0].text
+    stop = text[3:5]
+    (choice,) = client.completions.create(model=MODEL_NAME, prompt="Stop", stop=[stop],
+                                          **GREEDY).choices
+    assert choice.finish_reason == "stop"
+    assert choice.stop_reason == stop
+    assert choice.text == text[:text.index(stop)]
