@@ -12,6 +12,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: e4m3 with a scale per token and kv head
 TOKENIZER_MODES = ("auto", "slow")
+# vLLM's logprobs modes: of the raw logits, or of those the draw is from (after penalties,
+# temperature and filters); as log-probabilities or as logits.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 # vLLM's names for options this engine has under another name.
@@ -104,6 +107,7 @@ class Config:
     tokenizer_revision: str | None = None
     load_format: str = "auto"  # "dummy": random weights, for update_weights to fill
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    logprobs_mode: str = "raw_logprobs"  # vLLM's: raw or processed, logprobs or logits
     hf_config: object = field(init=False, repr=False)
 
     @classmethod
@@ -154,7 +158,8 @@ class Config:
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("tokenizer_mode", TOKENIZER_MODES), ("load_format", LOAD_FORMATS)):
+                              ("tokenizer_mode", TOKENIZER_MODES), ("load_format", LOAD_FORMATS),
+                              ("logprobs_mode", LOGPROBS_MODES)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}")

@@ -99,7 +99,8 @@ class SamplingParams:
     @property
     def uses_only_temperature(self) -> bool:
         return (self.top_k in (0, -1) and self.top_p == 1 and self.min_p == 0 and self.seed is None
-                and self.logprobs is None and not self.uses_penalties)
+                and self.logprobs is None and not self.uses_penalties and not self.logit_bias
+                and not self.allowed_token_ids and not self.bad_words)
 
     @property
     def uses_penalties(self) -> bool:

@@ -22,13 +22,21 @@ class RequestSampling:
     stop_ids: tuple[int, ...]
     only_temperature: bool  # params.uses_only_temperature, read every step
     uses_penalties: bool  # params.uses_penalties
+    banned_ids: tuple[int, ...] = ()  # never sampled: the ids of params.bad_words
 
     @classmethod
-    def of(cls, params: SamplingParams, num_prompt_tokens: int,
-           eos_token_ids=()) -> "RequestSampling":
+    def of(cls, params: SamplingParams, num_prompt_tokens: int, eos_token_ids=(),
+           banned_ids: tuple[int, ...] = ()) -> "RequestSampling":
         stop_ids = set(params.stop_token_ids).union(eos_token_ids) if params.min_tokens else ()
         return cls(params, num_prompt_tokens, tuple(sorted(stop_ids)),
-                   params.uses_only_temperature, params.uses_penalties)
+                   params.uses_only_temperature and not banned_ids, params.uses_penalties,
+                   banned_ids)
+
+    @property
+    def biased(self) -> bool:
+        """Some logits move before sampling: logit_bias, allowed_token_ids or bad words."""
+        p = self.params
+        return bool(p.logit_bias or p.allowed_token_ids or self.banned_ids)
 
 
 @dataclass(slots=True)
@@ -100,3 +108,4 @@ class StepOutput:
     token_ids: np.ndarray
     logprob_token_ids: np.ndarray | None = None
     logprobs: np.ndarray | None = None
+    logprob_ranks: np.ndarray | None = None  # [rows]: the sampled token's rank, 1 = most likely

@@ -217,7 +217,7 @@ class LLMEngine(WeightOps):
         config = self.config
         return RequestLimits(config.hf_config.vocab_size, config.max_model_len,
                              config.kvcache_block_size, self.num_kvcache_blocks,
-                             config.max_num_seqs)
+                             config.max_num_seqs, config.max_logprobs)
 
     def add(self, requests: list[Request], detokenize: bool = False) -> list[Sequence]:
         """Queue checked requests (make_requests); returns their sequences, each prompt's n
@@ -225,8 +225,8 @@ class LLMEngine(WeightOps):
         block_size = self.config.kvcache_block_size
         seqs = []
         for request in requests:
-            samples = Sequence(request.token_ids, request.params, block_size,
-                               self.eos_token_ids).make_samples()
+            samples = Sequence(request.token_ids, request.params, block_size, self.eos_token_ids,
+                               request.banned_token_ids).make_samples()
             for sample in samples:
                 sample.request_id = request.request_id
             seqs += samples
@@ -338,13 +338,16 @@ class LLMEngine(WeightOps):
         return step, finished
 
     @staticmethod
+    @staticmethod
     def _add_logprobs(seqs: list[Sequence], alive: list[bool], output: StepOutput):
-        rows = zip(seqs, alive, output.logprob_token_ids.tolist(), output.logprobs.tolist())
-        for seq, live, ids, logprobs in rows:
+        rows = zip(seqs, alive, output.logprob_token_ids.tolist(), output.logprobs.tolist(),
+                   output.logprob_ranks.tolist())
+        for seq, live, ids, logprobs, rank in rows:
             n = seq.sampling_params.logprobs
             if live and n is not None:  # the sampled token, then the top N of the largest N
                 top = dict(zip(ids[1:n + 1], logprobs[1:n + 1]))
                 seq.logprobs.append({ids[0]: logprobs[0], **top})
+                seq.logprob_ranks.append(rank)
                 seq.cumulative_logprob += logprobs[0]
 
     def _detokenize(self, sampled: list[tuple[Sequence, int]]) -> list[Sequence]:

@@ -38,19 +38,25 @@ def completion_output(seq: Sequence, tokenizer) -> CompletionOutput:
     if params.logprobs is not None:
         decode = None if isinstance(tokenizer, NoTokenizer) or not params.detokenize \
             else tokenizer.decode
-        logprobs = [as_logprobs(step, decode) for step in seq.logprobs]
+        logprobs = [as_logprobs(step, rank, params.logprobs, decode)
+                    for step, rank in zip(seq.logprobs, seq.logprob_ranks)]
         cumulative = seq.cumulative_logprob
     return CompletionOutput(seq.sample_index, text, tokens, cumulative, logprobs,
                             seq.finish_reason, seq.stop_reason)
 
 
-def as_logprobs(step: dict[int, float], decode) -> dict[int, Logprob]:
-    """A step's {token id: logprob}, the sampled token first, then the top N by rank."""
-    items = list(step.items())
-    top = {token_id: rank for rank, (token_id, _) in enumerate(items[1:], 1)}
-    return {token_id: Logprob(logprob, top.get(token_id),
+def as_logprobs(step: dict[int, float], sampled_rank: int, num_top: int,
+                decode) -> dict[int, Logprob]:
+    """A step's {token id: logprob} (the sampled id first, then the top `num_top` by rank, the
+    sampled one left where it stood first) as Logprobs with their ranks and text."""
+    sampled, *others = step
+    if len(others) < num_top:  # it was one of the top: put it back in its place
+        others.insert(min(sampled_rank, num_top) - 1, sampled)
+    ranks = {token_id: rank for rank, token_id in enumerate(others, 1)}
+    ranks[sampled] = sampled_rank
+    return {token_id: Logprob(logprob, ranks[token_id],
                               None if decode is None else decode([token_id]))
-            for token_id, logprob in items}
+            for token_id, logprob in step.items()}
 
 
 def request_output(request: Request, samples: list[Sequence], tokenizer) -> RequestOutput:

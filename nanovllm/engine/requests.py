@@ -18,6 +18,7 @@ class RequestLimits:
     block_size: int
     num_blocks: int
     max_num_seqs: int
+    max_logprobs: int = 20
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int):
         """Raise ValueError if a request of this size (n samples) could never be scheduled."""
@@ -35,6 +36,7 @@ class Request:
     token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the prompt's text, if it was given as text
+    banned_token_ids: tuple[int, ...] = ()  # params.bad_words as token ids
 
 
 def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,
@@ -46,6 +48,10 @@ def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,
     for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
         text, tokens = prompt_tokens(i, prompt, tokenizer)
         check_request(i, tokens, params, limits.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > limits.max_logprobs:
+                raise ValueError(f"sampling_params[{i}].{name}={getattr(params, name)} exceeds "
+                                 f"the engine's max_logprobs={limits.max_logprobs}")
         if (stream or params.stop) and isinstance(tokenizer, NoTokenizer):
             tokenizer.decode(tokens)  # refuses: stop strings and streamed text need a tokenizer
         if params.truncate_prompt_tokens is not None:  # as vLLM: the last k tokens
@@ -55,8 +61,26 @@ def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,
             limits.check_fits(len(tokens), params.max_tokens, params.n)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
-        requests.append(Request(str(next(request_ids)), tokens, params, text))
+        banned = bad_word_ids(i, params.bad_words, tokenizer) if params.bad_words else ()
+        requests.append(Request(str(next(request_ids)), tokens, params, text, banned))
     return requests
+
+
+def bad_word_ids(index: int, words: list[str], tokenizer) -> tuple[int, ...]:
+    """The ids that spell each bad word as one token, as it stands and after a space (vLLM's two
+    spellings). A word that is one token in neither spelling raises: its tokens would have to be
+    banned only after the ones before them, which the overlapped steps cannot see in time."""
+    ids = set()
+    for word in words:
+        spellings = [tokenizer.encode(text, add_special_tokens=False)
+                     for text in (word, " " + word.lstrip())]
+        single = [tokens[0] for tokens in spellings if len(tokens) == 1]
+        if not single:
+            raise ValueError(f"sampling_params[{index}].bad_words has {word!r}, which is "
+                             f"{min(map(len, spellings))} tokens: only words of one token "
+                             "(with or without a leading space) are supported")
+        ids.update(single)
+    return tuple(sorted(ids))
 
 
 def as_batch(prompts, sampling_params) -> tuple[list, list]:
@@ -133,7 +157,8 @@ def check_request(index: int, tokens: list, params, vocab_size: int):
         if not 0 <= tokens[i] < vocab_size:
             raise ValueError(f"prompt {index} has token id {tokens[i]} outside the vocabulary "
                              f"[0, {vocab_size})")
-    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"sampling_params[{index}].stop_token_ids has {bad} outside the "
-                         f"vocabulary [0, {vocab_size})")
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        bad = next((t for t in getattr(params, name) or () if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"sampling_params[{index}].{name} has {bad} outside the "
+                             f"vocabulary [0, {vocab_size})")

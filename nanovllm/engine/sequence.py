@@ -22,7 +22,7 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (), banned_token_ids: tuple[int, ...] = ()):
         self.seq_id = next(Sequence._ids)
         self.request_id: str | None = None  # the request it samples for (engine.requests.Request)
         self.status = SequenceStatus.WAITING
@@ -35,14 +35,18 @@ class Sequence:
         self.num_inflight = 0  # trailing PLACEHOLDERs, counted in num_tokens like any token
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
-        self.sampling = RequestSampling.of(sampling_params, len(token_ids), eos_token_ids)
+        self.sampling = RequestSampling.of(sampling_params, len(token_ids), eos_token_ids,
+                                           banned_token_ids)
         self.max_tokens = sampling_params.max_tokens
         self.min_tokens = sampling_params.min_tokens
         self.ignore_eos = sampling_params.ignore_eos
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # Per generated token: {the sampled id: logprob, then the top N ids by rank: logprobs}
+        # (a sampled id among the top N stays first), and the sampled id's rank.
         self.logprobs: list[dict[int, float]] = []
+        self.logprob_ranks: list[int] = []
         self.cumulative_logprob = 0.0
         self.token_history: TokenHistory | None = None  # for penalties (token_array)
         self.detokenizer = None
@@ -59,7 +63,7 @@ class Sequence:
             seed = None if params.seed is None else (params.seed + i) % 2**64
             # This sequence's masked stop ids hold the EOS ids: the child masks the same.
             child = Sequence(self.token_ids, replace(params, seed=seed), self.block_size,
-                             self.sampling.stop_ids)
+                             self.sampling.stop_ids, self.sampling.banned_ids)
             child.sample_index, child.parent = i, self
             self.forks.append(child)
         return [self, *self.forks]

@@ -92,7 +92,7 @@ class ModelRunner:
                                          expert_parallel=config.expert_parallel)
         self.weight_shapes = load_model(self.model, config.model,  # checkpoint name -> shape
                                         dummy=config.load_format == "dummy")
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode=config.logprobs_mode)
         self.num_kv_heads = hf.num_key_value_heads // self.world_size
         self.head_dim = head_dim(hf)
         # On one GPU the decode graphs sample too (the workers do not know the requests' settings).
@@ -342,9 +342,7 @@ class PendingOutput:
     def __init__(self, output: SamplerOutput, channel: ShmChannel | None):
         host = output.to_host()
         # Views of the host copies (pinned on CUDA), filled once the event has passed.
-        self.output = StepOutput(*(None if t is None else t.numpy()
-                                   for t in (host.token_ids, host.logprob_token_ids,
-                                             host.logprobs)))
+        self.output = StepOutput(*(None if t is None else t.numpy() for t in host.tensors()))
         self.event = None
         if output.token_ids.is_cuda:
             self.event = torch.cuda.Event()

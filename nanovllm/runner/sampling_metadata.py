@@ -15,7 +15,8 @@ InflightTokens = Callable[[list[int]], torch.Tensor]
 
 # Every control at once: the memory profile samples a batch with these settings.
 ALL_CONTROLS = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                              presence_penalty=0.1, frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
+                              presence_penalty=0.1, frequency_penalty=0.1, logprobs=MAX_LOGPROBS,
+                              logit_bias={0: 1.0})
 
 
 def every_control(num_rows: int) -> StepSampling:
@@ -52,6 +53,9 @@ def build_sampling_metadata(sampling: StepSampling, vocab_size: int, to_device: 
     if uses_controls:
         max_top_k, top_p_within_top_k, num_logprobs, penalty_ids = _control_arrays(
             sampling, vocab_size, shape, host)
+    bias = None
+    if uses_controls and any(request.biased for request in requests):
+        bias = to_device(_bias_rows(requests, vocab_size, shape))  # large: copied alone
     device = to_device_packed(host, to_device)
     penalties = None
     if penalty_ids is not None:  # [rows, width]: large, copied alone rather than packed
@@ -65,7 +69,7 @@ def build_sampling_metadata(sampling: StepSampling, vocab_size: int, to_device: 
                             top_p=device.get("top_p"), max_top_k=max_top_k,
                             top_p_within_top_k=top_p_within_top_k, min_p=device.get("min_p"),
                             penalties=penalties, row_seeds=device.get("row_seeds"),
-                            suppressed=suppressed, num_logprobs=num_logprobs,
+                            suppressed=suppressed, bias=bias, num_logprobs=num_logprobs,
                             only_temperature=not uses_controls)
 
 
@@ -95,6 +99,23 @@ def _control_arrays(sampling: StepSampling, vocab_size: int, shape: "_Shape",
     if wanted:
         num_logprobs = max(wanted)
     return max_top_k, top_p_within_top_k, num_logprobs, penalty_ids
+
+
+def _bias_rows(requests: list[RequestSampling], vocab_size: int, shape: "_Shape") -> np.ndarray:
+    """[rows, vocab] float32 added to the logits: logit_bias, -inf outside allowed_token_ids and at
+    the bad words' ids, 0 elsewhere (and on padding rows)."""
+    bias = np.zeros((shape.num_rows, vocab_size), dtype=np.float32)
+    for row, request in enumerate(requests):
+        params = request.params
+        if params.allowed_token_ids:
+            allowed = bias[row, params.allowed_token_ids].copy()
+            bias[row] = -np.inf
+            bias[row, params.allowed_token_ids] = allowed
+        if params.logit_bias:
+            bias[row, list(params.logit_bias)] += list(params.logit_bias.values())
+        if request.banned_ids:
+            bias[row, list(request.banned_ids)] = -np.inf
+    return bias
 
 
 class _Shape:

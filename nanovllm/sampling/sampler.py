@@ -59,13 +59,16 @@ class SamplingMetadata:
     penalties: Penalties | None = None
     row_seeds: torch.Tensor | None = None
     suppressed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [rows, vocab] float32 added to the logits first: logit_bias, -inf outside allowed_token_ids
+    # and at bad words' ids; 0 for rows without them.
+    bias: torch.Tensor | None = None
     num_logprobs: int | None = None
     # No row uses a control (StepSampling.uses_controls): the one-pass sampler draws every row.
     only_temperature: bool = True
 
     def tensors(self) -> list[torch.Tensor]:
         tensors = [self.temperatures, self.seed, self.top_k, self.top_p, self.min_p,
-                   self.row_seeds, *(self.suppressed or ())]
+                   self.row_seeds, *(self.suppressed or ()), self.bias]
         if self.penalties is not None:
             p = self.penalties
             tensors += [p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence]
@@ -74,18 +77,23 @@ class SamplingMetadata:
     def shape_key(self) -> tuple:
         """A CUDA graph of a sampling call replays for any metadata with the same key."""
         fields = (self.top_k, self.top_p, self.min_p, self.penalties, self.row_seeds,
-                  self.suppressed)
+                  self.suppressed, self.bias)
         return (tuple(field is None for field in fields), tuple(t.shape for t in self.tensors()),
                 self.max_top_k, self.top_p_within_top_k, self.num_logprobs)
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    """token_ids [rows]; with logprobs, [rows, 1 + N] ids (sampled, then top N) and logprobs."""
+    """token_ids [rows]; with logprobs, [rows, 1 + N] ids (sampled, then top N), their logprobs
+    (or logits, by the logprobs mode) and the sampled token's rank [rows] (1: the most likely)."""
 
     token_ids: torch.Tensor
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    logprob_ranks: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.token_ids, self.logprob_token_ids, self.logprobs, self.logprob_ranks]
 
     def to_host(self) -> "SamplerOutput":
         """Pinned host copies, queued without waiting: read them once the stream has passed here."""
@@ -95,33 +103,48 @@ class SamplerOutput:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             return host.copy_(tensor, non_blocking=True)
 
-        return SamplerOutput(copy(self.token_ids), copy(self.logprob_token_ids),
-                             copy(self.logprobs))
+        return SamplerOutput(*map(copy, self.tensors()))
 
     def first_rows(self, num_rows: int) -> "SamplerOutput":
-        def rows(tensor):
-            return None if tensor is None else tensor[:num_rows]
-
-        return SamplerOutput(rows(self.token_ids), rows(self.logprob_token_ids),
-                             rows(self.logprobs))
+        return SamplerOutput(*(None if t is None else t[:num_rows] for t in self.tensors()))
 
 
-def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The CPU reference, in vLLM's order: penalties, temperature, min-p, top-k / top-p, race."""
+def penalized(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """A float32 copy of logits [rows, vocab] with the penalties applied: greedy rows' argmax."""
     logits = logits.to(torch.float32, copy=True)
     if meta.penalties is not None:
         p = meta.penalties
         apply_penalties(logits, p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence)
+    return logits
+
+
+def filtered(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """In place, after the penalties, in vLLM's order: temperature (not for greedy rows), min-p,
+    top-k / top-p (-inf for what they drop)."""
     greedy = meta.temperatures == 0
-    greedy_tokens = logits.argmax(dim=-1)
-    if bool(greedy.all()):
-        return greedy_tokens
     logits.div_(torch.where(greedy, 1.0, meta.temperatures).unsqueeze(1))
     if meta.min_p is not None:
         apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
         num_candidates = meta.max_top_k if meta.top_p_within_top_k else None
         apply_top_k_top_p(logits, meta.top_k, meta.top_p, num_candidates)
+    return logits
+
+
+def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """float32 [rows, vocab]: what a row draws from (vLLM's processed logits)."""
+    return filtered(penalized(logits, meta), meta)
+
+
+def sample_with_controls_torch(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The CPU reference: greedy rows by argmax after the penalties, the others by a race over
+    processed_logits."""
+    logits = penalized(logits, meta)
+    greedy = meta.temperatures == 0
+    greedy_tokens = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return greedy_tokens
+    filtered(logits, meta)
     keys = [] if meta.row_seeds is None else meta.row_seeds.tolist()
     generators = {row: torch.Generator(logits.device).manual_seed(key)
                   for row, key in enumerate(keys) if key >= 0}
@@ -143,20 +166,25 @@ def sample_with_controls_triton(logits: torch.Tensor, meta: SamplingMetadata,
 
 
 class Sampler(nn.Module):
-    """use_triton: sample with the Triton kernels (None: on CUDA); else with the torch reference."""
+    """use_triton: sample with the Triton kernels (None: on CUDA); else with the torch reference.
+    logprobs_mode (vLLM's): what logprobs report, the raw logits or those the draw is from
+    (processed_logits), as logits or normalized log-probabilities."""
 
-    def __init__(self, use_triton: bool | None = None):
+    def __init__(self, use_triton: bool | None = None, logprobs_mode: str = "raw_logprobs"):
         super().__init__()
         self.use_triton = use_triton
+        self.logprobs_mode = logprobs_mode
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata,
                 out: torch.Tensor | None = None) -> SamplerOutput:
-        """logits [rows, vocab], modified in place -> [rows] tokens; nothing waits for the GPU."""
-        # vLLM's raw logprobs: logit - logsumexp(row), before penalties, temperature and filters.
-        if meta.num_logprobs is not None:
-            top = logits.topk(meta.num_logprobs, dim=-1)
-            log_normalizer = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+        """logits [rows, vocab] -> [rows] tokens; nothing waits for the GPU. The logits are
+        modified in place (suppressed ids) unless logprobs are asked for."""
+        raw = logits
+        if meta.bias is not None:
+            logits = logits.float() + meta.bias
         if meta.suppressed is not None:
+            if logits is raw and meta.num_logprobs is not None:
+                logits = logits.clone()  # raw logprobs read the logits before any control
             logits.index_put_(meta.suppressed, logits.new_full((), -float("inf")))
         use_triton = logits.is_cuda if self.use_triton is None else self.use_triton
         if use_triton:
@@ -173,7 +201,20 @@ class Sampler(nn.Module):
                 tokens = out.copy_(tokens)
         if meta.num_logprobs is None:
             return SamplerOutput(tokens)
-        sampled = logits.gather(1, tokens.unsqueeze(1))
+        return self._logprobs(raw, logits, meta, tokens)
+
+    def _logprobs(self, raw: torch.Tensor, logits: torch.Tensor, meta: SamplingMetadata,
+                  tokens: torch.Tensor) -> SamplerOutput:
+        """The sampled token's and the top N's values, by the logprobs mode, and its rank."""
+        if self.logprobs_mode.startswith("raw"):
+            values = raw
+        else:
+            values = processed_logits(logits, meta)
+        top = values.topk(meta.num_logprobs, dim=-1)
+        sampled = values.gather(1, tokens.unsqueeze(1))
+        ranks = (values > sampled).sum(dim=-1) + 1
         ids = torch.cat([tokens.unsqueeze(1), top.indices], dim=1)
-        logprobs = torch.cat([sampled, top.values], dim=1).float() - log_normalizer
-        return SamplerOutput(tokens, ids, logprobs)
+        chosen = torch.cat([sampled, top.values], dim=1).float()
+        if self.logprobs_mode.endswith("logprobs"):
+            chosen -= torch.logsumexp(values.float(), dim=-1, keepdim=True)
+        return SamplerOutput(tokens, ids, chosen, ranks)

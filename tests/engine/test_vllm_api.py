@@ -137,6 +137,58 @@ def test_another_tokenizer_directory(tiny_model, tmp_path, prompts):
             llm.get_tokenizer().encode("Hello")
 
 
+def hf_logits(tiny_model: str, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' float32 logits [len(tokens), vocab] at each generated token's position."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt + tokens[:-1]])
+        return _hf_model(tiny_model)(ids).logits[0, len(prompt) - 1:].float()
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_against_transformers(tiny_model, prompts, mode):
+    """processed: after temperature and top-k, what the draw is from (-inf outside the top k)."""
+    params = SamplingParams(temperature=0.5, top_k=5, max_tokens=6, ignore_eos=True, logprobs=3,
+                            seed=11)
+    with LLM(tiny_model, logprobs_mode=mode, **OPTIONS) as llm:
+        out = llm.generate([prompts[2]], params, use_tqdm=False)[0].outputs[0]
+    logits = hf_logits(tiny_model, prompts[2], out.token_ids)
+    if mode.startswith("processed"):
+        kth = logits.topk(5, dim=-1).values[:, -1:]
+        logits = (logits / 0.5).masked_fill(logits < kth, -float("inf"))
+    expected = torch.log_softmax(logits, dim=-1) if mode.endswith("logprobs") else logits
+    for i, (token, entries) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert set(entries) >= set(expected[i].topk(3).indices.tolist()) and token in entries
+        for t, entry in entries.items():
+            assert entry.logprob == pytest.approx(expected[i, t].item(), rel=1e-4, abs=1e-4)
+        assert entries[token].rank <= 5  # drawn from the top k
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(tiny_model, prompts):
+    sampled = dict(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3)
+    with LLM(tiny_model, **OPTIONS) as llm:
+        plain = llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        allowed = llm.generate([prompts[0]], SamplingParams(allowed_token_ids=[5, 9], **sampled),
+                               use_tqdm=False)[0].outputs[0].token_ids
+        assert set(allowed) <= {5, 9} and len(set(allowed)) == 2
+        forced = llm.generate([prompts[0]], SamplingParams(logit_bias={17: 100}, **sampled),
+                              use_tqdm=False)[0].outputs[0].token_ids
+        assert forced == [17] * 16
+        word = llm.tokenizer.decode([plain[0]])
+        banned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word])
+        out = llm.generate([prompts[0]], banned, use_tqdm=False)[0].outputs[0].token_ids
+        assert plain[0] not in out and out != plain[:8]
+        # A row without controls in the same batch keeps its tokens.
+        mixed = llm.generate([prompts[0], prompts[0]], [GREEDY, banned], use_tqdm=False)
+        assert mixed[0].outputs[0].token_ids == plain and mixed[1].outputs[0].token_ids == out
+        with pytest.raises(ValueError, match=r"allowed_token_ids has 320 outside the vocab"):
+            llm.generate([prompts[0]], SamplingParams(allowed_token_ids=[320]))
+        with pytest.raises(ValueError, match=r"bad_words has 'ab', which is 2 tokens"):
+            llm.generate([prompts[0]], SamplingParams(bad_words=["ab"]))
+    with LLM(tiny_model, max_logprobs=4, **OPTIONS) as small:
+        with pytest.raises(ValueError, match=r"logprobs=5 exceeds the engine's max_logprobs=4"):
+            small.generate([prompts[0]], SamplingParams(logprobs=5))
+
+
 # The module's engine: the tests above start their own, one engine alive at a time.
 def test_request_output_fields_and_nano_vllm_keys(llm, prompts):
     out = llm.generate("Hello", SamplingParams(n=2, temperature=0, max_tokens=4), use_tqdm=False)[0]
