@@ -64,6 +64,16 @@ class StepSampling:
         return not self.suppressed and not self.uses_controls
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprobRows:
+    """A prefill row's prompt logprobs: its chunk's positions from `first` on (an offset into the
+    chunk) predict `targets`, the prompt's next tokens; `num_top` most likely tokens too."""
+
+    first: int
+    targets: list[int]
+    num_top: int
+
+
 @dataclass(slots=True)
 class ScheduledStep:
     """One step, by rows: all prefill or all decode. A row computes num_scheduled_tokens[row] tokens
@@ -81,6 +91,8 @@ class ScheduledStep:
     samples: list[bool] = field(default_factory=list)  # the step samples a token for the row
     forks: dict[int, int] = field(default_factory=dict)  # fork row -> its prompt's row
     sampling: StepSampling | None = None  # rank 0: the sampling rows' settings
+    # prefill row -> the prompt logprobs it computes (every rank runs their lm_head).
+    prompt_logprobs: dict[int, PromptLogprobRows] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -96,7 +108,8 @@ class ScheduledStep:
         # Workers never sample: what they receive holds counts, block tables and the step's tokens.
         return ScheduledStep, (self.is_prefill, self.seq_ids, self.token_ids,
                                self.num_scheduled_tokens, self.num_computed_tokens,
-                               self.block_tables, self.samples, self.forks)
+                               self.block_tables, self.samples, self.forks, None,
+                               self.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -109,3 +122,6 @@ class StepOutput:
     logprob_token_ids: np.ndarray | None = None
     logprobs: np.ndarray | None = None
     logprob_ranks: np.ndarray | None = None  # [rows]: the sampled token's rank, 1 = most likely
+    # prefill row -> its PromptLogprobRows' results: the targets' logprobs [m] and ranks [m], the
+    # top ids and logprobs [m, num_top].
+    prompt_logprobs: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)

@@ -333,6 +333,8 @@ class LLMEngine(WeightOps):
         finished = self.scheduler.postprocess(step, token_ids)
         if output is not None and output.logprobs is not None:
             self._add_logprobs(step.sampled, alive, output)
+        if output is not None and output.prompt_logprobs:
+            self._add_prompt_logprobs(step.seqs, output)
         sampled = zip(step.sampled, alive, token_ids)
         finished += self._detokenize([(seq, token) for seq, live, token in sampled if live])
         return step, finished
@@ -349,6 +351,19 @@ class LLMEngine(WeightOps):
                 seq.logprobs.append({ids[0]: logprobs[0], **top})
                 seq.logprob_ranks.append(rank)
                 seq.cumulative_logprob += logprobs[0]
+
+    @staticmethod
+    def _add_prompt_logprobs(seqs: list[Sequence], output: StepOutput):
+        """Each prefill row's prompt logprobs, for the prompt positions that follow those it has
+        (the chunks of a prompt are postprocessed in order)."""
+        for row, (chosen, ranks, top_ids, top_logprobs) in output.prompt_logprobs.items():
+            seq = seqs[row]
+            first = len(seq.prompt_logprobs) + 1  # the first target's position
+            targets = seq.token_ids[first:first + len(chosen)]
+            for target, logprob, ids, values in zip(targets, chosen.tolist(), top_ids.tolist(),
+                                                    top_logprobs.tolist()):
+                seq.prompt_logprobs.append({target: logprob, **dict(zip(ids, values))})
+            seq.prompt_logprob_ranks += ranks.tolist()
 
     def _detokenize(self, sampled: list[tuple[Sequence, int]]) -> list[Sequence]:
         """Detokenize each new token; finish and return the sequences whose stop string appeared."""

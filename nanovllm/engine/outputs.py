@@ -36,8 +36,7 @@ def completion_output(seq: Sequence, tokenizer) -> CompletionOutput:
         text = tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
     logprobs = cumulative = None
     if params.logprobs is not None:
-        decode = None if isinstance(tokenizer, NoTokenizer) or not params.detokenize \
-            else tokenizer.decode
+        decode = _decoder(tokenizer, params)
         logprobs = [as_logprobs(step, rank, params.logprobs, decode)
                     for step, rank in zip(seq.logprobs, seq.logprob_ranks)]
         cumulative = seq.cumulative_logprob
@@ -60,11 +59,25 @@ def as_logprobs(step: dict[int, float], sampled_rank: int, num_top: int,
 
 
 def request_output(request: Request, samples: list[Sequence], tokenizer) -> RequestOutput:
-    """A prompt's output once its n samples have finished."""
+    """A prompt's output once its n samples have finished (the first computed its prompt)."""
     first = samples[0]
+    params = first.sampling_params
+    prompt_logprobs = None
+    if params.prompt_logprobs is not None:
+        decode = _decoder(tokenizer, params)
+        prompt_logprobs = [None] + [
+            as_logprobs(step, rank, params.prompt_logprobs, decode)
+            for step, rank in zip(first.prompt_logprobs, first.prompt_logprob_ranks)]
     return RequestOutput(request.request_id, request.prompt,
-                         first.token_ids[:first.num_prompt_tokens], None,
+                         first.token_ids[:first.num_prompt_tokens], prompt_logprobs,
                          [completion_output(seq, tokenizer) for seq in samples], finished=True)
+
+
+def _decoder(tokenizer, params):
+    """tokenizer.decode for Logprob.decoded_token, or None without a tokenizer or detokenize."""
+    if isinstance(tokenizer, NoTokenizer) or not params.detokenize:
+        return None
+    return tokenizer.decode
 
 
 def stream_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.step import ScheduledStep, StepSampling
+from nanovllm.step import PromptLogprobRows, ScheduledStep, StepSampling
 
 
 @dataclass
@@ -38,10 +38,26 @@ def scheduled_step(seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
         step.samples.append(seq.completes_prefill)
         if seq.num_scheduled_tokens:
             prompt_row = row
+            if seq.sampling_params.prompt_logprobs is not None:
+                rows = prompt_logprob_rows(seq)
+                if rows is not None:
+                    step.prompt_logprobs[row] = rows
         else:  # _fork puts a prompt's forks right after it
             step.forks[row] = prompt_row
     step.sampling = step_sampling([seq for seq in seqs if seq.completes_prefill])
     return step
+
+
+def prompt_logprob_rows(seq: Sequence) -> PromptLogprobRows | None:
+    """The prompt logprobs the scheduled chunk of `seq` computes: position p predicts prompt token
+    p + 1, for the positions it has none for yet (a re-prefill after preemption repeats none)."""
+    start = seq.num_cached_tokens
+    first = max(start, len(seq.prompt_logprobs))
+    last = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+    if last <= first:
+        return None
+    return PromptLogprobRows(first - start, seq.token_ids[first + 1:last + 1],
+                             seq.sampling_params.prompt_logprobs)
 
 
 def step_sampling(sampled: list[Sequence]) -> StepSampling:
@@ -117,7 +133,9 @@ class Scheduler:
             if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:  # a seat per sample
                 break
             if not seq.block_table:
-                cached = bm.cached_prefix(seq)
+                # Prompt logprobs need every prompt position's logits: no cached prefix.
+                wants_all = seq.sampling_params.prompt_logprobs is not None
+                cached = [] if wants_all else bm.cached_prefix(seq)
                 uncached = seq.num_tokens - len(cached) * bm.block_size
                 # Only the first may be chunked: one partly prefilled sequence, at waiting's head.
                 if scheduled and uncached > budget:

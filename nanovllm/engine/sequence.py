@@ -47,6 +47,10 @@ class Sequence:
         # (a sampled id among the top N stays first), and the sampled id's rank.
         self.logprobs: list[dict[int, float]] = []
         self.logprob_ranks: list[int] = []
+        # The same for prompt positions 1.. (SamplingParams.prompt_logprobs): the prompt token
+        # first, then the top N.
+        self.prompt_logprobs: list[dict[int, float]] = []
+        self.prompt_logprob_ranks: list[int] = []
         self.cumulative_logprob = 0.0
         self.token_history: TokenHistory | None = None  # for penalties (token_array)
         self.detokenizer = None

@@ -8,6 +8,7 @@ import time
 from contextlib import contextmanager
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,9 +23,10 @@ from nanovllm.runner.sampling_metadata import build_sampling_metadata, every_con
 from nanovllm.runner.shm_channel import ShmChannel, WorkerEnd
 from nanovllm.runner.sleep import Offloaded
 from nanovllm.runner.step_inputs import StepInputs
-from nanovllm.sampling.sampler import Sampler, SamplerOutput
+from nanovllm.sampling.sampler import Sampler, SamplerOutput, to_host
 from nanovllm.step import ScheduledStep, StepOutput, StepSampling
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions a lm_head call takes: bounds its [rows, vocab] logits
 CPU_KV_CACHE_BYTES = 2 << 30  # KV pool budget on CPU when num_kvcache_blocks is not given
 WORKER_CHECK_SECONDS = 0.01  # how often rank 0, waiting for a step, checks that the workers live
 PARENT_CHECK_SECONDS = 0.2  # how often a worker checks that rank 0's process lives
@@ -281,10 +283,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> "PendingOutput | None":
         """Launch one step; on rank 0, return its sampled tokens on their way to the host."""
+        prompt = {}
         if step.is_prefill:
             input_ids, positions, meta, sample_rows = self.inputs.prepare_prefill(step)
-            hidden = self.model(input_ids, positions, meta)[sample_rows]
+            chunks = self.model(input_ids, positions, meta)
+            hidden = chunks[sample_rows]
             self._copy_blocks(self.inputs.fork_block_copies(step))
+            if step.prompt_logprobs:
+                prompt = self._prompt_logprobs(chunks, step)
         else:
             graphs = self.graphs
             if graphs is not None and len(step) > graphs.max_batch_size:
@@ -301,6 +307,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         seq_ids = step.sampled_seq_ids
         if not seq_ids:
+            if self.rank == 0 and prompt:
+                no_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+                return PendingOutput(SamplerOutput(no_tokens), self.channel, prompt)
             return None
         if self.rank == 0:
             output = self._sample(logits, step.sampling, seq_ids)
@@ -310,7 +319,34 @@ class ModelRunner:
         if self.world_size > 1:
             dist.broadcast(tokens, src=0)
         self.inputs.keep_sampled(tokens, seq_ids)
-        return PendingOutput(output, self.channel) if self.rank == 0 else None
+        return PendingOutput(output, self.channel, prompt) if self.rank == 0 else None
+
+    def _prompt_logprobs(self, chunks: torch.Tensor,
+                         step: ScheduledStep) -> dict[int, tuple[torch.Tensor, ...]]:
+        """chunks [step tokens, hidden] -> per row of step.prompt_logprobs (rank 0): its targets'
+        logprobs [m] and ranks [m] (1: most likely), and the top ids and logprobs [m, num_top].
+        The logits go through lm_head PROMPT_LOGPROB_ROWS positions at a time, on every rank."""
+        starts = np.cumsum([0, *step.num_scheduled_tokens])
+        specs = step.prompt_logprobs
+        index = np.concatenate([starts[row] + spec.first + np.arange(len(spec.targets))
+                                for row, spec in specs.items()])
+        targets = torch.tensor([t for spec in specs.values() for t in spec.targets],
+                               device=self.device)
+        index = torch.from_numpy(index).to(self.device)
+        num_top = max(spec.num_top for spec in specs.values())
+        parts = []
+        for begin in range(0, len(index), PROMPT_LOGPROB_ROWS):
+            rows = slice(begin, begin + PROMPT_LOGPROB_ROWS)
+            logits = self.model.compute_logits(chunks[index[rows]])
+            if self.rank == 0:
+                parts.append(_logprobs_of(logits, targets[rows], num_top))
+        if self.rank != 0:
+            return {}
+        merged = [torch.cat(column) for column in zip(*parts)]
+        sizes = [len(spec.targets) for spec in specs.values()]
+        per_row = zip(*(column.split(sizes) for column in merged))
+        return {row: tuple(t[:, :spec.num_top] if t.dim() == 2 else t for t in tensors)
+                for (row, spec), tensors in zip(specs.items(), per_row)}
 
     def _copy_blocks(self, copies: list[tuple[int, int]]):
         """KV (and fp8 scales) of block src into block dst, for each (src, dst): copy-on-write."""
@@ -336,13 +372,26 @@ class ModelRunner:
         return self.sampler(logits, meta)
 
 
-class PendingOutput:
-    """A step's sampled tokens, copied to the host behind the step's GPU work."""
+def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor,
+                 num_top: int) -> tuple[torch.Tensor, ...]:
+    """logits [m, vocab] -> the targets' logprobs [m] and ranks [m], the top ids and logprobs."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top = logprobs.topk(num_top, dim=-1)
+    return chosen.squeeze(1), ranks, top.indices, top.values
 
-    def __init__(self, output: SamplerOutput, channel: ShmChannel | None):
+
+class PendingOutput:
+    """A step's sampled tokens (and prompt logprobs), copied to the host behind its GPU work."""
+
+    def __init__(self, output: SamplerOutput, channel: ShmChannel | None,
+                 prompt: dict[int, tuple[torch.Tensor, ...]] | None = None):
         host = output.to_host()
         # Views of the host copies (pinned on CUDA), filled once the event has passed.
         self.output = StepOutput(*(None if t is None else t.numpy() for t in host.tensors()))
+        for row, tensors in (prompt or {}).items():
+            self.output.prompt_logprobs[row] = tuple(to_host(t).numpy() for t in tensors)
         self.event = None
         if output.token_ids.is_cuda:
             self.event = torch.cuda.Event()

@@ -82,6 +82,14 @@ class SamplingMetadata:
                 self.max_top_k, self.top_p_within_top_k, self.num_logprobs)
 
 
+def to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A pinned host copy, queued without waiting: read it once the stream has passed here."""
+    if tensor is None or not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     """token_ids [rows]; with logprobs, [rows, 1 + N] ids (sampled, then top N), their logprobs
@@ -96,14 +104,7 @@ class SamplerOutput:
         return [self.token_ids, self.logprob_token_ids, self.logprobs, self.logprob_ranks]
 
     def to_host(self) -> "SamplerOutput":
-        """Pinned host copies, queued without waiting: read them once the stream has passed here."""
-        def copy(tensor):
-            if tensor is None or not tensor.is_cuda:
-                return tensor
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            return host.copy_(tensor, non_blocking=True)
-
-        return SamplerOutput(*map(copy, self.tensors()))
+        return SamplerOutput(*map(to_host, self.tensors()))
 
     def first_rows(self, num_rows: int) -> "SamplerOutput":
         return SamplerOutput(*(None if t is None else t[:num_rows] for t in self.tensors()))

@@ -189,6 +189,33 @@ def test_logit_bias_allowed_token_ids_and_bad_words(tiny_model, prompts):
             small.generate([prompts[0]], SamplingParams(logprobs=5))
 
 
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 7}])
+def test_prompt_logprobs_equal_transformers(tiny_model, prompts, options):
+    """Every prompt token's logprob (the first: None) and the top 3, as transformers'
+    log_softmax gives them, through chunked prefill and a prefix the cache holds."""
+    prompt = prompts[1] * 2  # its second half repeats the first: a cached prefix, once computed
+    with torch.no_grad():
+        logits = _hf_model(tiny_model)(torch.tensor([prompt])).logits[0].float()
+    reference = torch.log_softmax(logits, dim=-1)  # [len(prompt), vocab]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, n=2)
+    with LLM(tiny_model, **OPTIONS, **options) as llm:
+        llm.generate([prompt], GREEDY, use_tqdm=False)  # fills the prefix cache
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    logprobs = out.prompt_logprobs
+    assert len(logprobs) == len(prompt) and logprobs[0] is None
+    for position, entries in enumerate(logprobs[1:], 1):
+        expected = reference[position - 1]
+        token = prompt[position]
+        assert set(entries) == {token} | set(expected.topk(3).indices.tolist())
+        for t, entry in entries.items():
+            assert entry.logprob == pytest.approx(expected[t].item(), abs=1e-5)
+            assert entry.decoded_token == llm.tokenizer.decode([t])
+        value = expected[token]
+        assert int((expected > value + 1e-5).sum()) + 1 <= entries[token].rank
+        assert entries[token].rank <= int((expected > value - 1e-5).sum()) + 1
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids  # greedy: both samples alike
+
+
 # The module's engine: the tests above start their own, one engine alive at a time.
 def test_request_output_fields_and_nano_vllm_keys(llm, prompts):
     out = llm.generate("Hello", SamplingParams(n=2, temperature=0, max_tokens=4), use_tqdm=False)[0]

@@ -20,7 +20,7 @@ from nanovllm.engine import llm_engine
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.runner.shm_channel import WorkerDiedError
 from nanovllm.testing.tiny_model import write_tiny_qwen3
-from tests.conftest import hf_greedy
+from tests.conftest import _hf_model, hf_greedy
 from tests.engine.test_generate import GREEDY, greedy_twice_under_preemption
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -37,6 +37,22 @@ def test_tp2_matches_transformers_with_chunking_preemption_and_prefix_hits(
         first, second = greedy_twice_under_preemption(llm, prompts)
     assert first == hf_reference
     assert second == hf_reference[::-1]
+
+
+def test_tp2_prompt_logprobs_equal_transformers(tiny_model, prompts):
+    """Every rank runs lm_head over the prompt positions, in slices; rank 0 reports them.
+    Tolerance: float32 logits summed in another order across ranks, ~1e-6 relative."""
+    prompt = prompts[3]
+    with torch.no_grad():
+        logits = _hf_model(tiny_model)(torch.tensor([prompt])).logits[0].float()
+    reference = torch.log_softmax(logits, dim=-1)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=16,
+             max_num_batched_tokens=20) as llm:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    got = [entries[token].logprob for token, entries in zip(prompt[1:], out.prompt_logprobs[1:])]
+    expected = reference[range(len(prompt) - 1), prompt[1:]].tolist()
+    assert got == pytest.approx(expected, abs=1e-5)
 
 
 @pytest.fixture(scope="module")
