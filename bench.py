@@ -56,10 +56,10 @@ DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 RANDOM_ARCHS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "qwen2.5-0.5b": QWEN2_5_0_5B,
                 "llama-3.2-1b": LLAMA_3_2_1B, "qwen3-30b-a3b": QWEN3_30B_A3B,
                 "smollm2-135m": SMOLLM2_135M}
-# Without a GPU: a model and workload that take about a minute a run on two cores, where
+# Without a GPU: a model and workload that take a few minutes a run on two cores, where
 # upstream's (256 requests of up to 1,024 tokens in and out, on Qwen3-0.6B) would take hours.
 CPU_ARCH = "smollm2-135m"
-CPU_WORKLOAD = dict(num_seqs=16, max_input_len=256, max_output_len=128)
+CPU_WORKLOAD = dict(num_seqs=8, max_input_len=128, max_output_len=128)
 EVERY_CONTROL = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                      presence_penalty=0.2, frequency_penalty=0.2, seed=1, logprobs=5)
 DECODE_BATCH_BOUNDS = (16, 64, 128, 256)  # decode phases: 1-16, 17-64, 65-128, 129-256, 257+
@@ -271,7 +271,8 @@ def parse_args():
     add("--attention-backend", default="auto")
     add("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     add("--enforce-eager", action="store_true")
-    add("--runs", type=int, default=2, help="timed runs in one process, after a warm-up")
+    add("--runs", type=int, default=None,
+        help="timed runs in one process, after a warm-up (default 2; without a GPU 1)")
     add("--breakdown", action="store_true",
         help="after the timed runs, one more: its time by phase (prefill, decode by batch size)")
     add("--single-stream", action="store_true", help="one request instead of the workload")
@@ -291,6 +292,8 @@ def parse_args():
     args.cpu_sized = not torch.cuda.is_available() and not args.upstream_workload
     if args.random_arch is None:
         args.random_arch = CPU_ARCH if args.cpu_sized else "qwen3-0.6b"
+    if args.runs is None:
+        args.runs = 1 if args.cpu_sized else 2
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
     if args.mixed_sampling and not torch.cuda.is_available():
@@ -329,7 +332,7 @@ def main():
         print(f"No GPU: a CPU-sized workload, {CPU_WORKLOAD['num_seqs']} requests of "
               f"100-{CPU_WORKLOAD['max_input_len']} prompt tokens and "
               f"100-{CPU_WORKLOAD['max_output_len']} new ones, {args.runs} timed run(s) after a "
-              "warm-up; on two cores about a minute a run with the default model "
+              "warm-up; a few minutes a run on two cores with the default model "
               "(--upstream-workload: upstream's 256 requests, for hours)", file=sys.stderr)
     model = resolve_model(args.model, args.random_arch, args.random_layers)
     with LLM(model, max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
