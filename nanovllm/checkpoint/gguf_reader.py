@@ -51,6 +51,8 @@ class GGUFFile:
             self.fields[key] = self._value(self._scalar("<I"))
         infos = [self._tensor_info() for _ in range(tensor_count)]
         alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-self._offset // alignment) * alignment
         self.tensors = [self._tensor(start, *info, quant_sizes) for info in infos]
 
