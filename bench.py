@@ -9,6 +9,20 @@
     python bench.py --mixed-sampling      # the sampler step alone, by mix of controls
 """
 
+import sys
+
+
+def _ctrl_c_in_one_line(kind, value, traceback, default=sys.excepthook):
+    """A Ctrl-C prints one line; Python then exits with SIGINT's status (130). The engine has
+    stopped its workers while the interrupt unwound through the `with LLM(...)` block."""
+    if issubclass(kind, KeyboardInterrupt):
+        print("Interrupted.", file=sys.stderr)
+    else:
+        default(kind, value, traceback)
+
+
+sys.excepthook = _ctrl_c_in_one_line
+
 import argparse
 import contextlib
 import functools
@@ -27,18 +41,25 @@ from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput
 from nanovllm.runner.step_inputs import StepInputs
+from nanovllm.testing.real_model import cache_dir
 from nanovllm.testing.tiny_model import (
     LLAMA_3_2_1B,
     QWEN2_5_0_5B,
     QWEN3_0_6B,
     QWEN3_8B,
     QWEN3_30B_A3B,
+    SMOLLM2_135M,
     write_benchmark_checkpoint,
 )
 
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 RANDOM_ARCHS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "qwen2.5-0.5b": QWEN2_5_0_5B,
-                "llama-3.2-1b": LLAMA_3_2_1B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+                "llama-3.2-1b": LLAMA_3_2_1B, "qwen3-30b-a3b": QWEN3_30B_A3B,
+                "smollm2-135m": SMOLLM2_135M}
+# Without a GPU: a model and workload that take a few minutes a run on two cores, where
+# upstream's (256 requests of up to 1,024 tokens in and out, on Qwen3-0.6B) would take hours.
+CPU_ARCH = "smollm2-135m"
+CPU_WORKLOAD = dict(num_seqs=8, max_input_len=128, max_output_len=128)
 EVERY_CONTROL = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                      presence_penalty=0.2, frequency_penalty=0.2, seed=1, logprobs=5)
 DECODE_BATCH_BOUNDS = (16, 64, 128, 256)  # decode phases: 1-16, 17-64, 65-128, 129-256, 257+
@@ -55,12 +76,17 @@ def resolve_model(path: str | None, arch: str, layers: int | None = None) -> str
     if layers is not None:
         shape["num_hidden_layers"] = layers
         arch = f"{arch}-{layers}-layers"
-    cached = os.path.expanduser(f"~/.cache/nanovllm/random-{arch}")
+    cached = os.path.join(cache_dir(), f"random-{arch}")
     if not os.path.isfile(os.path.join(cached, "config.json")):
-        print(f"No checkpoint given: writing a random-weight {arch} checkpoint to {cached} (once)")
+        print(f"No checkpoint given: writing a random-weight {arch} checkpoint to {cached} "
+              "(once; bf16, 2 bytes a parameter: Qwen3-0.6B takes 1.2 GB and a minute or more)",
+              file=sys.stderr, flush=True)
+        start = time.perf_counter()
         write_benchmark_checkpoint(cached, shape, dtype="bfloat16")
+        size = sum(entry.stat().st_size for entry in os.scandir(cached))
+        print(f"Wrote {size / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     else:
-        print(f"Using the random-weight {arch} checkpoint in {cached}")
+        print(f"Using the random-weight {arch} checkpoint in {cached}", file=sys.stderr)
     return cached
 
 
@@ -74,8 +100,8 @@ def upstream_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output
     return prompts, params
 
 
-def bench_throughput(llm: LLM, runs: int, breakdown: bool):
-    prompts, params = upstream_workload()
+def bench_throughput(llm: LLM, runs: int, breakdown: bool, workload: dict | None = None):
+    prompts, params = upstream_workload(**(workload or {}))
     total = sum(p.max_tokens for p in params)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
     for run in range(1, runs + 1):
@@ -206,10 +232,13 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int,
         prompts, params = stream_requests(llm, prompt_len, new_tokens, num_streams, every_control)
         start, first, end, spent = time_stream_run(llm, prompts, params)
         per_stream = (new_tokens - 1) / (end - first)
+        # on the CPU the host computes the step itself: there is nothing to wait for
+        waited = (f"; the host waited for the GPU {spent['waiting'] / (end - first):.0%} of the "
+                  "decode" if llm.config.device == "cuda" else "")
         print(f"{num_streams} stream(s): prompt {prompt_len}, time to first token "
               f"{(first - start) * 1e3:.1f} ms, decode {per_stream:,.0f} tok/s per stream "
-              f"({1e3 / per_stream:.2f} ms/token), {per_stream * num_streams:,.0f} tok/s in all; "
-              f"the host waited for the GPU {spent['waiting'] / (end - first):.0%} of the decode")
+              f"({1e3 / per_stream:.2f} ms/token), {per_stream * num_streams:,.0f} tok/s in "
+              f"all{waited}")
         steps = new_tokens - 1
         parts = {**spent, "other": end - first - sum(spent.values())}
         print("  host µs a decode step: " + ", ".join(
@@ -226,8 +255,12 @@ def parse_args():
     add = parser.add_argument
     add("--model", default=None,
         help=f"checkpoint directory (default {DEFAULT_MODEL}, else a random-weight one)")
-    add("--random-arch", default="qwen3-0.6b", choices=sorted(RANDOM_ARCHS),
-        help="architecture of the random checkpoint written when no model is given")
+    add("--random-arch", default=None, choices=sorted(RANDOM_ARCHS),
+        help="architecture of the random checkpoint written when no model is given (default "
+             f"qwen3-0.6b; without a GPU {CPU_ARCH})")
+    add("--upstream-workload", action="store_true",
+        help=f"without a GPU too: upstream's workload and qwen3-0.6b, not {CPU_WORKLOAD} and "
+             f"{CPU_ARCH} (hours on a CPU)")
     add("--random-layers", type=int, default=None,
         help="layers of the random checkpoint (default: the architecture's), e.g. to fit a disk")
     add("--tensor-parallel-size", type=int, default=1)
@@ -236,7 +269,8 @@ def parse_args():
     add("--attention-backend", default="auto")
     add("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     add("--enforce-eager", action="store_true")
-    add("--runs", type=int, default=2, help="timed runs in one process, after a warm-up")
+    add("--runs", type=int, default=None,
+        help="timed runs in one process, after a warm-up (default 2; without a GPU 1)")
     add("--breakdown", action="store_true",
         help="after the timed runs, one more: its time by phase (prefill, decode by batch size)")
     add("--single-stream", action="store_true", help="one request instead of the workload")
@@ -253,6 +287,11 @@ def parse_args():
     add("--mixed-sampling", action="store_true",
         help="time the sampler alone at batch 256 and 1, by mix of controls (CUDA)")
     args = parser.parse_args()
+    args.cpu_sized = not torch.cuda.is_available() and not args.upstream_workload
+    if args.random_arch is None:
+        args.random_arch = CPU_ARCH if args.cpu_sized else "qwen3-0.6b"
+    if args.runs is None:
+        args.runs = 1 if args.cpu_sized else 2
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
     if args.mixed_sampling and not torch.cuda.is_available():
@@ -279,7 +318,7 @@ def run(llm: LLM, args):
         bench_streams(llm, args.prompt_len, args.new_tokens, streams, args.every_control,
                       args.runs)
     else:
-        bench_throughput(llm, args.runs, args.breakdown)
+        bench_throughput(llm, args.runs, args.breakdown, CPU_WORKLOAD if args.cpu_sized else None)
 
 
 def main():
@@ -287,6 +326,12 @@ def main():
     if args.mixed_sampling:
         bench_mixed_sampling(EVERY_CONTROL)
         return
+    if args.cpu_sized and not (args.single_stream or args.streams or args.profile_prefill):
+        print(f"No GPU: a CPU-sized workload, {CPU_WORKLOAD['num_seqs']} requests of "
+              f"100-{CPU_WORKLOAD['max_input_len']} prompt tokens and "
+              f"100-{CPU_WORKLOAD['max_output_len']} new ones, {args.runs} timed run(s) after a "
+              "warm-up; a few minutes a run on two cores with the default model "
+              "(--upstream-workload: upstream's 256 requests, for hours)", file=sys.stderr)
     model = resolve_model(args.model, args.random_arch, args.random_layers)
     with LLM(model, max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
              attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,

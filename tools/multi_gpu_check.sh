@@ -2,7 +2,8 @@
 # The multi-GPU figures and tests in one call, on a machine of N GPUs; logs under $OUT.
 #   bash tools/multi_gpu_check.sh            # from the repo root; STEPS selects parts (default all)
 # STEPS: space-separated of tests dp tp moe. Ray must be importable for `dp` and the Ray tests;
-# the Qwen3-8B and Qwen3-30B-A3B random checkpoints are written once under ~/.cache/nanovllm
+# the Qwen3-8B and Qwen3-30B-A3B random checkpoints are written once under
+# $XDG_CACHE_HOME/nanovllm (~/.cache/nanovllm)
 # (16 GiB and 57 GiB: RANDOM_LAYERS=24 halves the MoE one on a small disk).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}

@@ -3,11 +3,13 @@ metadata, the tensors dequantized under their HF names, the tokenizer read from 
 
 import functools
 import os
+import struct
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from nanovllm.checkpoint.gguf_reader import GGUFFile
 from nanovllm.extras import import_extra
 
 # general.architecture -> the HF architecture that runs it.
@@ -22,6 +24,8 @@ LAYER_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                  "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
                  "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 REQUIRED = object()
+GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8  # ggml type ids
+BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}  # per block of 32 values
 
 
 def _import_gguf(path: str):
@@ -30,7 +34,7 @@ def _import_gguf(path: str):
 
 
 def open_gguf(path: str):
-    """The file's GGUFReader (memory-mapped; the last one kept for config, weights, tokenizer)."""
+    """The file's header (memory-mapped; the last one kept for config, weights, tokenizer)."""
     stat = os.stat(path)
     return _reader(path, stat.st_size, stat.st_mtime_ns)
 
@@ -39,18 +43,17 @@ def open_gguf(path: str):
 def _reader(path: str, size: int, mtime_ns: int):
     gguf = _import_gguf(path)
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader's ValueError / IndexError on short or foreign bytes
+        return GGUFFile(path, gguf.GGML_QUANT_SIZES)
+    except (ValueError, struct.error, UnicodeDecodeError) as e:  # short or foreign bytes
         raise ValueError(f"cannot read {path!r}: truncated or not a GGUF file ({e})") from None
 
 
 def metadata(reader, key: str, path: str, default=REQUIRED):
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in reader.fields:
         if default is REQUIRED:
             raise ValueError(f"{path!r} lacks the GGUF metadata key {key!r}")
         return default
-    return field.contents()
+    return reader.fields[key]
 
 
 def architecture(reader, path: str) -> str:
@@ -125,16 +128,42 @@ def gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     llama = fields["model_type"] == "llama"
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, path)
-        try:
-            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError:
-            raise ValueError(f"tensor {tensor.name!r} in {path!r} has type "
-                             f"{tensor.tensor_type.name}, which gguf cannot dequantize") from None
-        weights = weights.reshape([int(d) for d in reversed(tensor.shape)])
+        weights = dequantize(gguf, tensor, path).reshape([int(d) for d in reversed(tensor.shape)])
         if llama and (".q_proj." in name or ".k_proj." in name):
             heads = fields["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             weights = unpermute_rope_rows(weights, heads)
-        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
+        # a writable float32 copy where the array is still a view into the read-only file
+        yield name, torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))
+
+
+def dequantize(gguf, tensor, path: str) -> np.ndarray:
+    """float32 [rows, columns]: Q4_0, Q4_1 and Q8_0 (llama.cpp's common types) by torch over the
+    whole tensor, on every core; other types by gguf's numpy code."""
+    if tensor.tensor_type in BLOCK_BYTES:
+        return _dequantize_q4_q8(torch.from_numpy(np.array(tensor.data)), tensor.tensor_type)
+    kind = gguf.GGMLQuantizationType(tensor.tensor_type)
+    try:
+        return gguf.quants.dequantize(tensor.data, kind)
+    except NotImplementedError:
+        raise ValueError(f"tensor {tensor.name!r} in {path!r} has type {kind.name}, which "
+                         "gguf cannot dequantize") from None
+
+
+def _dequantize_q4_q8(rows: torch.Tensor, kind: int) -> np.ndarray:
+    """gguf's formulas, in its order of operations (so the floats are the same): blocks of 32
+    values, each a float16 scale d (Q4_1: and a float16 offset m) then 4- or 8-bit quants."""
+    blocks = rows.reshape(-1, BLOCK_BYTES[kind])
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    if kind == GGML_Q8_0:
+        values = blocks[:, 2:].contiguous().view(torch.int8).float() * d
+    else:
+        packed = blocks[:, -16:]  # value i in the low nibble of byte i, value 16 + i in the high
+        quants = torch.cat([packed & 0x0F, packed >> 4], dim=1)
+        if kind == GGML_Q4_0:
+            values = d * (quants.to(torch.int8) - 8).float()
+        else:
+            values = d * quants.float() + blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return values.reshape(rows.shape[0], -1).numpy()
 
 
 def hf_tensor_name(gguf_name: str, path: str) -> str:
@@ -160,10 +189,12 @@ def gguf_tokenizer(path: str):
     if "tokenizer.ggml.model" not in reader.fields:
         raise FileNotFoundError(f"no tokenizer in {path!r}; pass skip_tokenizer_init=True to give "
                                 "prompts as token ids")
-    from transformers import AutoTokenizer
+    # The fast tokenizer class directly: AutoTokenizer first builds a config from the file's
+    # metadata with gguf's slow reader (seconds) only to pick this same class.
+    from transformers import PreTrainedTokenizerFast
 
     folder, name = os.path.split(path)
     try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
     except Exception as e:
         raise ValueError(f"cannot load the tokenizer of {path!r}: {e}") from e

@@ -196,3 +196,23 @@ def greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
             token = model(ids).logits[0, -1].argmax().view(1, 1)
             ids = torch.cat([ids, token], dim=1)
     return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_dequantized_floats_are_ggufs_bit_for_bit(qtype, tmp_path):
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    weights = np.random.default_rng(0).standard_normal((8, 96)).astype(np.float32) * 3
+    path = str(tmp_path / "q.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("w", gguf.quants.quantize(weights, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = gguf_checkpoint.open_gguf(path).tensors
+    expected = gguf.quants.dequantize(gguf.quants.quantize(weights, kind), kind)
+    ours = gguf_checkpoint.dequantize(gguf, tensor, path)
+    assert ours.shape == (8, 96)
+    assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32))

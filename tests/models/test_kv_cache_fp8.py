@@ -107,7 +107,18 @@ def test_fp8_cache_at_tp2_gives_tp1_tokens(tiny_model, prompts, runs):
         assert tp2["token_ids"] == tp1["token_ids"]
         for a, b in zip(tp2["logprobs"], tp1["logprobs"]):
             assert a.keys() == b.keys()
-            assert max(abs(a[t] - b[t]) for t in a) < 1e-4
+            assert max(abs(a[t] - b[t]) for t in a) < TP_BOUND
+
+
+# TP=2 sums the row-parallel products (o_proj, down_proj) in another order, so its K/V differ from
+# TP=1's by a few float32 ulps (the float32 cache's logprobs move < 1e-5). e4m3 rounding keeps
+# that, except for a value x / scale lying within those ulps of a rounding midpoint: it then
+# stores the neighbour, one 3-bit-mantissa step away (2^-3 relative: twice the 2^-4 rounding
+# bound). Rounding all N cached values (N ~ 80 tokens x 2 layers x 2 KV heads x 16 x K,V ~ 10^4)
+# by up to 2^-4 moves logprobs by at most ~2 (test_fp8_logprobs_close_to_the_model_dtype_cache),
+# so one flipped value moves them by about 2 * 2 / N ~ 4e-4 at most. The bound admits a couple of
+# flips and stays 10^3 below the error of a mis-scaled or mis-indexed cache (several units).
+TP_BOUND = 1e-3
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int:
