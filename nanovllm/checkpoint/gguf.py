@@ -3,13 +3,11 @@ metadata, the tensors dequantized under their HF names, the tokenizer read from 
 
 import functools
 import os
-import struct
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-from nanovllm.checkpoint.gguf_reader import GGUFFile
 from nanovllm.extras import import_extra
 
 # general.architecture -> the HF architecture that runs it.
@@ -34,7 +32,7 @@ def _import_gguf(path: str):
 
 
 def open_gguf(path: str):
-    """The file's header (memory-mapped; the last one kept for config, weights, tokenizer)."""
+    """The file's GGUFReader (memory-mapped; the last one kept for config, weights, tokenizer)."""
     stat = os.stat(path)
     return _reader(path, stat.st_size, stat.st_mtime_ns)
 
@@ -43,17 +41,18 @@ def open_gguf(path: str):
 def _reader(path: str, size: int, mtime_ns: int):
     gguf = _import_gguf(path)
     try:
-        return GGUFFile(path, gguf.GGML_QUANT_SIZES)
-    except (ValueError, struct.error, UnicodeDecodeError) as e:  # short or foreign bytes
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader's ValueError / IndexError on short or foreign bytes
         raise ValueError(f"cannot read {path!r}: truncated or not a GGUF file ({e})") from None
 
 
 def metadata(reader, key: str, path: str, default=REQUIRED):
-    if key not in reader.fields:
+    field = reader.fields.get(key)
+    if field is None:
         if default is REQUIRED:
             raise ValueError(f"{path!r} lacks the GGUF metadata key {key!r}")
         return default
-    return reader.fields[key]
+    return field.contents()
 
 
 def architecture(reader, path: str) -> str:
