@@ -65,7 +65,7 @@ def main():
             prompts = [[rng.randrange(100, 300) for _ in range(8)] for _ in range(args.prompts)]
             prefilled = llm.llm_engine.num_prefilled_tokens
             outputs = llm.generate(prompts, params, use_tqdm=False)  # per prompt, n samples
-            completions = [sample["token_ids"] for samples in outputs for sample in samples]
+            completions = [sample.token_ids for out in outputs for sample in out.outputs]
             reward = rewards(completions)
             loss = policy_loss(policy, [p for p in prompts for _ in range(args.n)], completions,
                                grpo_advantages(reward, args.n))

@@ -18,7 +18,8 @@ def tiny_bf16_b(tmp_path_factory) -> str:
 
 
 def tokens(outputs) -> list:
-    return [[o["token_ids"] for o in out] if isinstance(out, list) else out["token_ids"]
+    """Each prompt's token ids; with n > 1 the list of its samples'."""
+    return [[c.token_ids for c in out.outputs] if len(out.outputs) > 1 else out["token_ids"]
             for out in outputs]
 
 
