@@ -234,7 +234,7 @@ def bench_streams(llm: LLM, prompt_len: int, new_tokens: int, num_streams: int,
         per_stream = (new_tokens - 1) / (end - first)
         # on the CPU the host computes the step itself: there is nothing to wait for
         waited = (f"; the host waited for the GPU {spent['waiting'] / (end - first):.0%} of the "
-                  "decode" if llm.config.device == "cuda" else "")
+                  "decode" if llm.llm_engine.config.device == "cuda" else "")
         print(f"{num_streams} stream(s): prompt {prompt_len}, time to first token "
               f"{(first - start) * 1e3:.1f} ms, decode {per_stream:,.0f} tok/s per stream "
               f"({1e3 / per_stream:.2f} ms/token), {per_stream * num_streams:,.0f} tok/s in "

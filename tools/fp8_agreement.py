@@ -73,7 +73,7 @@ def report(outputs: dict[str, list], num_prompts: int):
         agreeing += sum(x == y for x, y in zip(a, b))
         identical += diverge == len(a)
         for la, lb in zip(auto["logprobs"][:diverge + 1], fp8["logprobs"][:diverge + 1]):
-            errors.append(max(abs(la[t] - lb[t]) for t in la.keys() & lb.keys()))
+            errors.append(max(abs(la[t].logprob - lb[t].logprob) for t in la.keys() & lb.keys()))
     print(f"positions agreeing up to the first divergence: {prefix_agreeing / total:.1%}; "
           f"position by position: {agreeing / total:.1%}; "
           f"identical sequences: {identical}/{num_prompts}")
