@@ -26,20 +26,27 @@ DEFAULT_MAX_GEN_TOKS = 256  # generate_until without max_gen_toks, as lm-eval's 
 
 @register_model("nanovllm")
 class NanoVLLM(TemplateLM):
-    """An lm-eval model over one nanovllm `LLM`; options other than lm-eval's go to `LLM`."""
+    """An lm-eval model over one nanovllm `LLM`: `pretrained` is a model (path, hub id or GGUF)
+    and options other than lm-eval's go to `LLM`, or it is an LLM already built, which its
+    caller keeps and exits."""
 
-    def __init__(self, pretrained: str, batch_size: int | str = 1, max_batch_size=None,
+    def __init__(self, pretrained: str | LLM, batch_size: int | str = 1, max_batch_size=None,
                  device: str | None = None, max_length: int | None = None,
                  prefix_token_id: int | None = None, add_bos_token: bool = False,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, **llm_options):
         # batch_size, max_batch_size and device are lm-eval's to every model: the engine batches
         # whatever it is handed (max_num_seqs, max_num_batched_tokens) on the device it finds.
         super().__init__()
-        if max_length is not None:
-            llm_options.setdefault("max_model_len", int(max_length))
-        self.llm = LLM(pretrained, **llm_options)
+        if isinstance(pretrained, LLM):
+            if llm_options or max_length is not None:
+                raise ValueError("engine options go with a model to load, not with an LLM "
+                                 f"already built: {sorted(llm_options) or ['max_length']}")
+            self.llm, self.pretrained = pretrained, pretrained.llm_engine.config.model
+        else:
+            if max_length is not None:
+                llm_options.setdefault("max_model_len", int(max_length))
+            self.llm, self.pretrained = LLM(pretrained, **llm_options), pretrained
         self.tokenizer = self.llm.tokenizer
-        self.pretrained = pretrained
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self._max_gen_toks = max_gen_toks

@@ -113,6 +113,10 @@ def test_registered_with_the_engine_options(ours):
     assert get_model("nanovllm") is NanoVLLM and isinstance(ours, NanoVLLM)
     assert ours.max_length == MAX_MODEL_LEN
     assert ours.llm.llm_engine.limits.num_blocks == ENGINE_OPTIONS["num_kvcache_blocks"]
+    wrapped = NanoVLLM(ours.llm)  # an LLM already built: the same engine
+    assert wrapped.llm is ours.llm and wrapped.max_length == MAX_MODEL_LEN
+    with pytest.raises(ValueError, match="engine options go with a model to load"):
+        NanoVLLM(ours.llm, max_num_seqs=4)
 
 
 def local_choice_task(tmp_path) -> dict:
