@@ -9,7 +9,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Top to bottom. A module may import its own package and anything in a lower layer; packages that
 # share a layer are independent of each other. Imports inside functions count too.
 LAYERS = [
-    ("nanovllm.__init__", "nanovllm.ray_data", "nanovllm.testing", "nanovllm.serve"),
+    ("nanovllm.__init__", "nanovllm.ray_data", "nanovllm.testing", "nanovllm.serve",
+     "nanovllm.lm_eval"),
     ("nanovllm.llm",),            # the front: validation and outputs, for one engine or many
     ("nanovllm.ray",),            # data parallel: engine replicas as Ray actors
     ("nanovllm.engine",),         # requests, scheduler, block manager: the step loop on rank 0

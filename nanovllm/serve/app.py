@@ -27,6 +27,7 @@ from nanovllm.serve.responses import (
     chat_logprobs_count,
     chat_messages,
     check_supported,
+    completion_prompt_logprobs,
     sampling_params,
 )
 from nanovllm.serve.streams import (
@@ -174,7 +175,8 @@ def _submit_completion(state: ServerState, body: CompletionRequest):
         max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = _rest_of_context(state, max(map(len, token_lists)))
-        params = sampling_params(body, max_tokens, body.logprobs)
+        params = sampling_params(body, max_tokens, body.logprobs,
+                                 completion_prompt_logprobs(body))
         requests = state.llm.make_requests(token_lists, params)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None

@@ -24,6 +24,10 @@ class ChoiceDelta:
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per token, sampled first
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The first delta of a choice whose request asked for prompt logprobs: the prompt's token ids
+    # and, for each but the first, {token_id: logprob} (the prompt token first, then the top k).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None
 
 
 class EngineStopped(RuntimeError):
@@ -180,14 +184,27 @@ class EngineLoop:
                 if seq.sampling_params.logprobs is not None:
                     start = seq.num_output_tokens - len(out.token_ids)
                     logprobs = seq.logprobs[start:start + len(out.token_ids)]
-                deltas.append(ChoiceDelta(choice, out.text, out.token_ids, logprobs,
-                                          out.finish_reason, out.stop_reason))
+                delta = ChoiceDelta(choice, out.text, out.token_ids, logprobs,
+                                    out.finish_reason, out.stop_reason)
+                if seq.num_output_tokens == len(out.token_ids):  # the choice's first delta
+                    self._add_prompt_logprobs(delta, stream.seqs[stream.choice_offsets[out.index]])
+                deltas.append(delta)
                 self._time_tokens(stream, choice, len(out.token_ids), now)
             if deltas:
                 stream._put(deltas)
             if not stream.pending:
                 stream._put(None)
                 self._streams.remove(stream)
+
+    @staticmethod
+    def _add_prompt_logprobs(delta: ChoiceDelta, first: Sequence):
+        """The prompt's logprobs, from its first sample (the one that prefilled the prompt), once
+        every prompt token has them (a request aborted in its prefill gets none)."""
+        if first.sampling_params.prompt_logprobs is None:
+            return
+        if len(first.prompt_logprobs) == first.num_prompt_tokens - 1:
+            delta.prompt_token_ids = list(first.token_ids[:first.num_prompt_tokens])
+            delta.prompt_logprobs = list(first.prompt_logprobs)
 
     def _time_tokens(self, stream: RequestStream, choice: int, num_tokens: int, now: float):
         if not num_tokens:

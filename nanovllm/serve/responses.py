@@ -40,17 +40,21 @@ def check_supported(request):
     if response_format and response_format.get("type", "text") != "text":
         raise APIError(400, "only response_format {'type': 'text'} is supported",
                        "response_format")
-    if getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported "
-                       "yet; ask for echo or logprobs, not both", "echo")
 
 
-def sampling_params(request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(request, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's sampling fields as SamplingParams; its own checks raise TypeError or
     ValueError naming the field and the value (a 400)."""
     fields = {name: getattr(request, name) for name in SAMPLING_FIELDS
               if getattr(request, name) is not None}
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs, **fields)
+
+
+def completion_prompt_logprobs(request) -> int | None:
+    """echo with logprobs: the prompt's tokens come back with their logprobs too (as vLLM)."""
+    return request.logprobs if request.echo else None
 
 
 def chat_logprobs_count(request: ChatCompletionRequest) -> int | None:
@@ -98,17 +102,35 @@ class TokenText:
 
 def completion_logprobs(delta: ChoiceDelta, token_text: TokenText,
                         text_offset: int) -> CompletionLogprobs:
-    """A delta's logprobs in the completions format; offsets count from `text_offset`."""
+    """A delta's logprobs in the completions format, the echoed prompt's first when it has them
+    (its first token's null: nothing precedes it); offsets count from `text_offset`."""
     result = CompletionLogprobs()
-    for token_id, logprobs in zip(delta.token_ids, delta.logprobs):
+    if delta.prompt_logprobs is not None:
+        prompt = delta.prompt_token_ids
+        text_offset = _add_logprobs(result, prompt, [None, *delta.prompt_logprobs], token_text,
+                                    text_offset)
+    if delta.logprobs is not None:
+        _add_logprobs(result, delta.token_ids, delta.logprobs, token_text, text_offset)
+    return result
+
+
+def _add_logprobs(result: CompletionLogprobs, token_ids: list[int],
+                  logprobs: list[dict[int, float] | None], token_text: TokenText,
+                  text_offset: int) -> int:
+    """Append each token (its text, logprob, top logprobs by text and offset); the offset after."""
+    for token_id, entries in zip(token_ids, logprobs):
         text = token_text(token_id)
         result.tokens.append(text)
-        result.token_logprobs.append(max(logprobs[token_id], MIN_LOGPROB))
-        result.top_logprobs.append({token_text(t): max(lp, MIN_LOGPROB)
-                                    for t, lp in logprobs.items()})
         result.text_offset.append(text_offset)
         text_offset += len(text)
-    return result
+        if entries is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(max(entries[token_id], MIN_LOGPROB))
+        result.top_logprobs.append({token_text(t): max(lp, MIN_LOGPROB)
+                                    for t, lp in entries.items()})
+    return text_offset
 
 
 def chat_logprobs(delta: ChoiceDelta, token_text: TokenText, top: int) -> ChatLogprobs:
@@ -137,9 +159,12 @@ class ChoiceAccumulator:
         self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
         self.logprobs: list[list[dict[int, float]] | None] = [None] * num_choices
         self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * num_choices
+        self.prompts: list[tuple[list[int] | None, list | None]] = [(None, None)] * num_choices
 
     def add(self, delta: ChoiceDelta):
         i = delta.index
+        if delta.prompt_logprobs is not None:
+            self.prompts[i] = (delta.prompt_token_ids, delta.prompt_logprobs)
         self.text[i] += delta.text
         self.token_ids[i] += delta.token_ids
         if delta.logprobs is not None:
@@ -149,7 +174,8 @@ class ChoiceAccumulator:
 
     def whole(self, i: int) -> ChoiceDelta:
         """Choice i as one delta from its start."""
-        return ChoiceDelta(i, self.text[i], self.token_ids[i], self.logprobs[i], *self.finish[i])
+        return ChoiceDelta(i, self.text[i], self.token_ids[i], self.logprobs[i], *self.finish[i],
+                           *self.prompts[i])
 
     @property
     def num_completion_tokens(self) -> int:
@@ -176,7 +202,7 @@ class CompletionChoices:
             text = self.echo[i // self.n] + text
         self.started.add(i)
         logprobs = None
-        if delta.logprobs is not None:
+        if delta.logprobs is not None or delta.prompt_logprobs is not None:
             logprobs = completion_logprobs(delta, self.token_text, self.offsets.get(i, 0))
             if logprobs.tokens:
                 self.offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])

@@ -90,6 +90,46 @@ def test_echo_puts_the_prompt_first(client):
     assert echoed.choices[0].text == "Echo" + plain.choices[0].text
 
 
+def test_echo_with_logprobs_puts_the_prompts_logprobs_first(client, llm):
+    """As vLLM: the prompt's tokens, the first with null logprobs, then the generated ones; the
+    engine's prompt logprobs, the prompt token and the top 2 at each position."""
+    prompt = TOKEN_PROMPTS[0]
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, echo=True,
+                                         temperature=0, max_tokens=3, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    generated = expected.outputs[0]
+    token_ids = prompt + generated.token_ids
+    assert logprobs.tokens == [llm.tokenizer.decode([t]) for t in token_ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    wanted = expected.prompt_logprobs[1:] + generated.logprobs
+    for token_id, got, top, want in zip(token_ids[1:], logprobs.token_logprobs[1:],
+                                        logprobs.top_logprobs[1:], wanted):
+        assert math.isclose(got, want[token_id].logprob, rel_tol=1e-5, abs_tol=1e-6)
+        assert 1 <= len(top) <= 3  # the token and the top 2, keyed by text (which may merge)
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs.tokens))
+    assert response.choices[0].text == llm.tokenizer.decode(prompt) + generated.text
+
+
+def test_echo_with_logprobs_streamed_and_for_n_samples(client):
+    """Every choice of n, streamed or not, starts with the prompt's logprobs."""
+    options = dict(model=MODEL_NAME, prompt=TOKEN_PROMPTS[1], echo=True, temperature=0,
+                   max_tokens=2, logprobs=0, n=2)
+    whole = client.completions.create(**options)
+    chunks = list(client.completions.create(**options, stream=True))
+    for index in range(2):
+        choice = whole.choices[index].logprobs
+        assert len(choice.tokens) == len(TOKEN_PROMPTS[1]) + 2
+        streamed = [c.choices[0].logprobs for c in chunks
+                    if c.choices and c.choices[0].index == index]
+        assert sum((s.token_logprobs for s in streamed), []) == choice.token_logprobs
+        assert sum((s.text_offset for s in streamed), []) == choice.text_offset
+    assert whole.choices[0].logprobs.token_logprobs == whole.choices[1].logprobs.token_logprobs
+
+
 def test_a_stop_string_ends_the_choice(client):
     text = client.completions.create(model=MODEL_NAME, prompt="Stop", **GREEDY).choices[0].text
     stop = text[3:5]

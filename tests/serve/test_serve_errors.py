@@ -56,8 +56,8 @@ def test_missing_and_unsupported_fields(server):
     assert_error(*post(server, COMPLETIONS, {"model": MODEL_NAME}), 400, "prompt")
     assert_error(*post(server, COMPLETIONS, {"prompt": []}), 400, "prompt must not be empty")
     assert_error(*post(server, CHAT, {"messages": []}), 400, "messages")
-    assert_error(*post(server, COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}), 400,
-                 "prompt logprobs, which are not supported yet")
+    assert_error(*post(server, COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 50}), 400,
+                 "logprobs", "50")
     assert_error(*post(server, COMPLETIONS, {"prompt": "x", "logit_bias": {"1": 5}}), 400,
                  "logit_bias")
     assert_error(*post(server, CHAT, {"messages": [{"role": "user", "content": "x"}],

@@ -1,0 +1,42 @@
+"""lm-eval's `local-completions` model against the server: the loglikelihoods of the offline
+engine (nanovllm.lm_eval over the same LLM), through echo with logprobs."""
+
+import pytest
+from conftest import MODEL_NAME, REQUEST_TIMEOUT
+from lm_eval.api.instance import Instance
+from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+from nanovllm.lm_eval import NanoVLLM
+
+pytestmark = pytest.mark.cpu_suite
+
+PAIRS = [
+    ("The capital of France is", " Paris"),
+    ("Hello", " world!"),
+    ("", "abc"),  # an empty context: scored after the EOS token, on both sides
+    ("Question: 2 + 2 =", " 4\nAnswer: four"),
+]
+# The same engine and weights serve both sides, and each prompt's logprobs are computed by the
+# same kernels; a batch's make-up may change a float32 reduction's order (a few ulps of a logit
+# of magnitude ~10, ~1e-6), far inside 1e-4 for a sum of a dozen tokens. JSON carries the floats
+# exactly (the shortest repr that reads back the same double).
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def local_completions(server, tiny_model, llm):
+    """lm-eval's client: token-id prompts, tokenized by the checkpoint's own tokenizer."""
+    return LocalCompletionsAPI(
+        base_url=f"{server.url}/v1/completions", model=MODEL_NAME, tokenizer=tiny_model,
+        tokenizer_backend="huggingface", tokenized_requests=True,
+        max_length=llm.llm_engine.limits.max_model_len, num_concurrent=1, max_retries=1,
+        timeout=int(REQUEST_TIMEOUT))
+
+
+def test_local_completions_loglikelihood_equals_offline(local_completions, llm):
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(PAIRS)]
+    served = local_completions.loglikelihood(requests, disable_tqdm=True)
+    offline = NanoVLLM(llm).loglikelihood(requests, disable_tqdm=True)
+    worst = max(abs(s[0] - o[0]) for s, o in zip(served, offline))
+    assert worst <= TOLERANCE, (worst, served, offline)
+    assert [s[1] for s in served] == [o[1] for o in offline]
