@@ -1,8 +1,8 @@
 """nanovllm, a small offline LLM engine. `LLM` loads lazily: it pulls in torch and transformers."""
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

@@ -118,7 +118,7 @@ class LLM:
         takes them; `sampling_params` one or one per prompt."""
         self.llm_engine.check_alive()
         return make_requests(prompts, sampling_params, self.tokenizer, self.llm_engine.limits,
-                             self._request_ids, stream)
+                             self._request_ids, stream, getattr(self.llm_engine, "grammars", None))
 
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams()

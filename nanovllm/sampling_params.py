@@ -6,6 +6,56 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+# The constraint fields of StructuredOutputsParams: exactly one is set (vLLM's rule).
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow, as vLLM names it: a JSON schema (a dict or its JSON
+    text), a regex, one of `choice`, an EBNF `grammar`, or any JSON object (`json_object`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without optional whitespace between tokens
+    disable_additional_properties: bool = False  # objects may hold only the schema's properties
+    whitespace_pattern: str | None = None  # not supported (xgrammar has no such option)
+    structural_tag: str | None = None  # not supported
+
+    def __post_init__(self):
+        self.verify()
+
+    def verify(self):
+        """vLLM's one-of rule, and the options this engine does not support."""
+        count = sum(getattr(self, name) not in (None, False) for name in CONSTRAINTS)
+        if count > 1:
+            raise ValueError("You can only use one kind of structured outputs constraint but "
+                             f"multiple are specified: {self._constraints()}")
+        if count < 1:
+            raise ValueError("You must use one kind of structured outputs constraint but none "
+                             f"are specified: {self._constraints()}")
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"structured_outputs.{name} is not supported")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of str, got "
+                             f"{self.choice!r}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"structured_outputs.{name} must be a str, got "
+                                f"{getattr(self, name)!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or its JSON "
+                            f"text), got {type(self.json).__name__}")
+
+    def _constraints(self) -> dict:
+        return {name: getattr(self, name) for name in CONSTRAINTS}
+
 
 
 @dataclass(slots=True)
@@ -36,6 +86,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these
     logit_bias: dict[int, float] | None = None  # added to the logits of these tokens
     bad_words: list[str] | None = None  # words never generated
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output follows
 
     def __post_init__(self):
         self.verify()
@@ -95,6 +146,11 @@ class SamplingParams:
                                for token_id, bias in zip(ids, self.logit_bias.values())}
         if self.bad_words is not None:
             self.bad_words = _string_list(self.bad_words, "bad_words")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.verify()
 
     @property
     def uses_only_temperature(self) -> bool:

@@ -52,6 +52,10 @@ class StepSampling:
     # row -> the known token ids (prompt, then output; int64), for rows whose request uses
     # penalties. The row's tokens in flight are the positions from len(history) to positions[row].
     histories: dict[int, np.ndarray] = field(default_factory=dict)
+    # The rows with a grammar (structured outputs), and their allowed tokens: bitmask
+    # [len(grammar_rows), ceil(vocab / 32)] int32, bit t of a row set = token t allowed.
+    grammar_rows: list[int] = field(default_factory=list)
+    bitmask: np.ndarray | None = None
 
     @property
     def uses_controls(self) -> bool:
@@ -61,7 +65,7 @@ class StepSampling:
     @property
     def only_temperature(self) -> bool:
         """Every row draws by temperature alone and masks nothing: the one-pass sampler, whole."""
-        return not self.suppressed and not self.uses_controls
+        return not self.suppressed and not self.uses_controls and self.bitmask is None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from nanovllm.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.config import Config
 from nanovllm.engine.colocate import ModelConfig, ModelExecutor
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.grammar import Grammars
 from nanovllm.engine.outputs import StreamOutput, request_output, stream_outputs
 from nanovllm.engine.requests import Request, RequestLimits
 from nanovllm.engine.scheduler import CommittedStep, Scheduler, scheduled_step
@@ -108,6 +109,8 @@ class LLMEngine(WeightOps):
             sys.excepthook = self._excepthook  # the user's process: no "[rank0]: " on tracebacks
             self.tokenizer = load_tokenizer(config)
             self.eos_token_ids = eos_token_ids(self.tokenizer, config)
+            self.grammars = Grammars(self.tokenizer, config.hf_config.vocab_size,
+                                     self.eos_token_ids)
             self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                        config.max_model_len, self.model_runner.num_kvcache_blocks,
                                        config.kvcache_block_size, self.eos_token_ids,
@@ -227,8 +230,13 @@ class LLMEngine(WeightOps):
         for request in requests:
             samples = Sequence(request.token_ids, request.params, block_size, self.eos_token_ids,
                                request.banned_token_ids).make_samples()
+            grammar = request.grammar
+            if grammar is None and request.params.structured_outputs is not None:
+                grammar = self.grammars.compile(request.params.structured_outputs)
             for sample in samples:
                 sample.request_id = request.request_id
+                if grammar is not None:  # each sample its own matcher
+                    sample.grammar = self.grammars.matcher(grammar)
             seqs += samples
         for seq in seqs:
             if detokenize or seq.sampling_params.stop:

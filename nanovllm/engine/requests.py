@@ -37,12 +37,16 @@ class Request:
     params: SamplingParams
     prompt: str | None = None  # the prompt's text, if it was given as text
     banned_token_ids: tuple[int, ...] = ()  # params.bad_words as token ids
+    grammar: object = None  # params.structured_outputs compiled (engine.grammar.Grammars)
 
 
 def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,
-                  request_ids: Iterator[int], stream: bool = False) -> list[Request]:
+                  request_ids: Iterator[int], stream: bool = False,
+                  grammars=None) -> list[Request]:
     """Tokenize and check a whole batch (one prompt or params may stand for all); raises before
-    anything is queued, naming the prompt, the value and the limit. stream: text as it comes."""
+    anything is queued, naming the prompt, the value and the limit. stream: text as it comes.
+    grammars: the engine's Grammars, which compiles structured outputs here, in the caller's
+    thread (None: the engine takes none)."""
     prompts, sampling_params = as_batch(prompts, sampling_params)
     requests = []
     for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
@@ -62,8 +66,22 @@ def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
         banned = bad_word_ids(i, params.bad_words, tokenizer) if params.bad_words else ()
-        requests.append(Request(str(next(request_ids)), tokens, params, text, banned))
+        grammar = compile_grammar(i, params, grammars)
+        requests.append(Request(str(next(request_ids)), tokens, params, text, banned, grammar))
     return requests
+
+
+def compile_grammar(index: int, params: SamplingParams, grammars):
+    """params.structured_outputs compiled (cached by the engine), or None without it."""
+    if params.structured_outputs is None:
+        return None
+    if grammars is None:
+        raise ValueError(f"sampling_params[{index}].structured_outputs: this engine does not "
+                         "support structured outputs (data_parallel_size > 1)")
+    try:
+        return grammars.compile(params.structured_outputs)
+    except ValueError as e:
+        raise ValueError(f"sampling_params[{index}]: {e}") from None
 
 
 def bad_word_ids(index: int, words: list[str], tokenizer) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.grammar import fill_bitmask
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.step import PromptLogprobRows, ScheduledStep, StepSampling
 
@@ -62,12 +63,17 @@ def prompt_logprob_rows(seq: Sequence) -> PromptLogprobRows | None:
 
 def step_sampling(sampled: list[Sequence]) -> StepSampling:
     """The sampling settings of the sequences that get a token, in row order; updates their
-    token histories (penalties)."""
-    return StepSampling(
+    token histories (penalties); fills the masks of rows with a grammar (their tokens are known:
+    _schedule_decode waits for them)."""
+    sampling = StepSampling(
         [seq.sampling for seq in sampled], [seq.num_tokens for seq in sampled],
         {row: ids for row, seq in enumerate(sampled)
          if seq.sampling.stop_ids and (ids := seq.suppressed_stop_ids)},
         {row: seq.token_array() for row, seq in enumerate(sampled) if seq.sampling.uses_penalties})
+    sampling.grammar_rows = [row for row, seq in enumerate(sampled) if seq.grammar is not None]
+    if sampling.grammar_rows:
+        sampling.bitmask = fill_bitmask([sampled[row].grammar for row in sampling.grammar_rows])
+    return sampling
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int,
@@ -176,6 +182,9 @@ class Scheduler:
             if seq.num_completion_tokens >= seq.max_tokens:  # ends once its in-flight tokens return
                 visited.append(seq)
                 continue
+            if seq.grammar is not None and seq.num_inflight:  # its mask needs that token
+                visited.append(seq)
+                continue
             while not bm.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -216,7 +225,12 @@ class Scheduler:
             seq.resolve_token(token_id)
             num_generated = seq.num_output_tokens
             may_stop = num_generated > seq.min_tokens
-            if may_stop and not seq.ignore_eos and token_id in self.eos_token_ids:
+            accepted = seq.grammar is None or seq.grammar.accept(token_id)
+            if not accepted:  # the mask left no token (e.g. allowed_token_ids outside it)
+                self.finish(seq, "abort")
+            elif may_stop and not seq.ignore_eos and token_id in self.eos_token_ids:
+                self.finish(seq, "stop")
+            elif seq.grammar is not None and seq.grammar.is_terminated:
                 self.finish(seq, "stop")
             elif may_stop and token_id in seq.stop_token_ids:
                 self.finish(seq, "stop", stop_reason=token_id)

@@ -54,6 +54,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.token_history: TokenHistory | None = None  # for penalties (token_array)
         self.detokenizer = None
+        # Structured outputs: this sample's matcher (engine.grammar.GrammarState), which has
+        # accepted exactly the known output tokens.
+        self.grammar = None
         # SamplingParams.n: sample 0 is the parent; samples 1.. wait in its `forks`, in no queue,
         # until the step that completes its prompt forks them (Scheduler._fork).
         self.sample_index = 0

@@ -25,8 +25,10 @@ class SamplerGraphs:
         self.pool = None
 
     def applies(self, sampling: StepSampling) -> bool:
-        """Not for a temperature-only batch (one kernel), nor one larger than the buckets."""
-        return len(sampling.requests) <= self.max_batch_size and sampling.uses_controls
+        """Not for a temperature-only batch (one kernel), nor one larger than the buckets, nor one
+        with a grammar (its rows and masks vary every step: the sampler runs eagerly)."""
+        return (len(sampling.requests) <= self.max_batch_size and sampling.uses_controls
+                and sampling.bitmask is None)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, sampling: StepSampling, to_device: ToDevice,

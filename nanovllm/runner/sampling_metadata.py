@@ -53,6 +53,9 @@ def build_sampling_metadata(sampling: StepSampling, vocab_size: int, to_device: 
     if uses_controls:
         max_top_k, top_p_within_top_k, num_logprobs, penalty_ids = _control_arrays(
             sampling, vocab_size, shape, host)
+    if sampling.bitmask is not None:
+        host["grammar_rows"] = np.array(sampling.grammar_rows, dtype=np.int64)
+        host["bitmask"] = sampling.bitmask
     bias = None
     if uses_controls and any(request.biased for request in requests):
         bias = to_device(_bias_rows(requests, vocab_size, shape))  # large: copied alone
@@ -65,11 +68,13 @@ def build_sampling_metadata(sampling: StepSampling, vocab_size: int, to_device: 
             rows, positions = device["inflight"]
             penalties.ids[rows, positions] = inflight_tokens(host["inflight"][0].tolist())
     suppressed = tuple(device["suppressed"]) if "suppressed" in device else None
+    grammar = (device["grammar_rows"], device["bitmask"]) if "bitmask" in device else None
     return SamplingMetadata(device["temperatures"], device["seed"], top_k=device.get("top_k"),
                             top_p=device.get("top_p"), max_top_k=max_top_k,
                             top_p_within_top_k=top_p_within_top_k, min_p=device.get("min_p"),
                             penalties=penalties, row_seeds=device.get("row_seeds"),
-                            suppressed=suppressed, bias=bias, num_logprobs=num_logprobs,
+                            suppressed=suppressed, bias=bias, grammar=grammar,
+                            num_logprobs=num_logprobs,
                             only_temperature=not uses_controls)
 
 

@@ -75,3 +75,14 @@ def last_kept_candidate(values: torch.Tensor, top_k: torch.Tensor,
         # At least the most likely candidate (clamped for a row of NaN logits, which keeps none).
         last = torch.minimum(last, keep.sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
     return last
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
+                        bitmask: torch.Tensor) -> torch.Tensor:
+    """In place: -inf in logits [n, vocab] at rows [g] where bitmask [g, ceil(vocab / 32)] int32
+    has the token's bit clear (word t // 32, bit t % 32); the torch reference of the kernel."""
+    vocab_size = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(bitmask), -1)[:, :vocab_size]
+    logits[rows] = logits[rows].masked_fill(allowed == 0, -float("inf"))
+    return logits

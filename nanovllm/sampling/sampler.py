@@ -8,8 +8,14 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.sampling import sample_triton
+from nanovllm.kernels.token_bitmask import apply_token_bitmask_triton
 from nanovllm.sampling.filters import filter_thresholds
-from nanovllm.sampling.logits_processor import apply_min_p, apply_penalties, apply_top_k_top_p
+from nanovllm.sampling.logits_processor import (
+    apply_min_p,
+    apply_penalties,
+    apply_token_bitmask,
+    apply_top_k_top_p,
+)
 
 
 def exponential_race(logits: torch.Tensor,
@@ -62,13 +68,16 @@ class SamplingMetadata:
     # [rows, vocab] float32 added to the logits first: logit_bias, -inf outside allowed_token_ids
     # and at bad words' ids; 0 for rows without them.
     bias: torch.Tensor | None = None
+    # Structured outputs: (rows [g] int64, bitmask [g, ceil(vocab / 32)] int32), the rows with a
+    # grammar and their allowed tokens; the other rows are not touched.
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
     num_logprobs: int | None = None
     # No row uses a control (StepSampling.uses_controls): the one-pass sampler draws every row.
     only_temperature: bool = True
 
     def tensors(self) -> list[torch.Tensor]:
         tensors = [self.temperatures, self.seed, self.top_k, self.top_p, self.min_p,
-                   self.row_seeds, *(self.suppressed or ()), self.bias]
+                   self.row_seeds, *(self.suppressed or ()), self.bias, *(self.grammar or ())]
         if self.penalties is not None:
             p = self.penalties
             tensors += [p.ids, p.prompt_lens, p.repetition, p.frequency, p.presence]
@@ -77,7 +86,7 @@ class SamplingMetadata:
     def shape_key(self) -> tuple:
         """A CUDA graph of a sampling call replays for any metadata with the same key."""
         fields = (self.top_k, self.top_p, self.min_p, self.penalties, self.row_seeds,
-                  self.suppressed, self.bias)
+                  self.suppressed, self.bias, self.grammar)
         return (tuple(field is None for field in fields), tuple(t.shape for t in self.tensors()),
                 self.max_top_k, self.top_p_within_top_k, self.num_logprobs)
 
@@ -188,6 +197,11 @@ class Sampler(nn.Module):
                 logits = logits.clone()  # raw logprobs read the logits before any control
             logits.index_put_(meta.suppressed, logits.new_full((), -float("inf")))
         use_triton = logits.is_cuda if self.use_triton is None else self.use_triton
+        if meta.grammar is not None:
+            if logits is raw and meta.num_logprobs is not None:
+                logits = logits.clone()
+            apply = apply_token_bitmask_triton if use_triton else apply_token_bitmask
+            apply(logits, *meta.grammar)
         if use_triton:
             if meta.only_temperature:
                 tokens = sample_triton(logits, meta.temperatures, meta.seed, out=out)

@@ -1,7 +1,7 @@
 """From OpenAI requests to the engine's SamplingParams, and from the engine's deltas to OpenAI's
 choices: the one place the wire format meets the engine's outputs."""
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serve.engine_loop import ChoiceDelta
 from nanovllm.serve.protocol import (
     APIError,
@@ -24,6 +24,7 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop"
                    "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
                    "skip_special_tokens")
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM's floor
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def check_supported(request):
@@ -37,8 +38,8 @@ def check_supported(request):
     if getattr(request, "tools", None):
         raise APIError(400, "tools are not supported", "tools")
     response_format = getattr(request, "response_format", None)
-    if response_format and response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format {'type': 'text'} is supported",
+    if response_format and response_format.get("type", "text") not in RESPONSE_FORMATS:
+        raise APIError(400, f"response_format type must be one of {', '.join(RESPONSE_FORMATS)}",
                        "response_format")
 
 
@@ -48,13 +49,30 @@ def sampling_params(request, max_tokens: int, logprobs: int | None,
     ValueError naming the field and the value (a 400)."""
     fields = {name: getattr(request, name) for name in SAMPLING_FIELDS
               if getattr(request, name) is not None}
+    structured = structured_outputs(getattr(request, "response_format", None))
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs, **fields)
+                          prompt_logprobs=prompt_logprobs, structured_outputs=structured,
+                          **fields)
 
 
 def completion_prompt_logprobs(request) -> int | None:
     """echo with logprobs: the prompt's tokens come back with their logprobs too (as vLLM)."""
     return request.logprobs if request.echo else None
+
+
+def structured_outputs(response_format: dict | None) -> StructuredOutputsParams | None:
+    """OpenAI's response_format as structured outputs: json_object, or json_schema's
+    {"json_schema": {"schema": {...}}}; text (or none) is None."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        return None
+    schema = (response_format.get("json_schema") or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema "
+                       "object", "response_format")
+    return StructuredOutputsParams(json=schema)
 
 
 def chat_logprobs_count(request: ChatCompletionRequest) -> int | None:

@@ -1,0 +1,161 @@
+"""Structured outputs with xgrammar (an optional dependency: the `structured` extra). One compiler
+per engine over the tokenizer's vocabulary; a grammar compiled once per distinct spec, at
+submission; a matcher per sequence, advanced by each of its tokens as they become known."""
+
+import json
+import re
+import threading
+
+import numpy as np
+
+from nanovllm.sampling_params import StructuredOutputsParams
+
+INSTALL_HINT = "structured outputs need xgrammar: pip install 'nanovllm[structured]'"
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a row's bitmask: a bit per token, 1 = allowed."""
+    return (vocab_size + 31) // 32
+
+
+class Grammars:
+    """The engine's grammar compiler (built at the first structured request) and its cache of
+    compiled grammars, keyed by spec. Thread-safe: callers compile in their own threads."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.compiled: dict[tuple, object] = {}
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar of `spec` (cached); ValueError naming what is wrong with it."""
+        key = _key(spec)
+        with self._lock:
+            if key in self.compiled:
+                return self.compiled[key]
+            compiler = self._compiler or self._make_compiler()
+        try:
+            compiled = _compile(compiler, spec)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors
+            raise ValueError(f"invalid structured_outputs.{key[0]}: {_message(e)}") from None
+        with self._lock:
+            return self.compiled.setdefault(key, compiled)
+
+    def matcher(self, compiled) -> "GrammarState":
+        return GrammarState(compiled, self.eos_token_ids, self.vocab_size)
+
+    def _make_compiler(self):
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise ValueError(INSTALL_HINT) from None
+        if not hasattr(self.tokenizer, "convert_ids_to_tokens"):
+            raise ValueError("structured outputs need the model's tokenizer (the engine was "
+                             "started with skip_tokenizer_init=True)")
+        self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr))
+        return self._compiler
+
+    def _tokenizer_info(self, xgr):
+        """The vocabulary as raw bytes, special tokens empty (never allowed: their text would not
+        be detokenized), ids past the tokenizer's up to the model's vocab_size masked."""
+        hf_info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                     stop_token_ids=self.eos_token_ids)
+        special = set(getattr(self.tokenizer, "all_special_ids", ()))
+        for token_id, added in getattr(self.tokenizer, "added_tokens_decoder", {}).items():
+            if getattr(added, "special", False):
+                special.add(token_id)
+        vocab = [b"" if token_id in special else token
+                 for token_id, token in enumerate(hf_info.decoded_vocab)]
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                 stop_token_ids=self.eos_token_ids)
+
+
+def _message(error: Exception) -> str:
+    """xgrammar's error without its C++ source location ("[time] file.cc:line: ")."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0])
+
+
+def _key(spec: StructuredOutputsParams) -> tuple:
+    if spec.json is not None:
+        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, sort_keys=True)
+        return ("json", schema, spec.disable_any_whitespace, spec.disable_additional_properties)
+    if spec.regex is not None:
+        return ("regex", spec.regex)
+    if spec.choice is not None:
+        return ("choice", tuple(spec.choice))
+    if spec.grammar is not None:
+        return ("grammar", spec.grammar)
+    return ("json_object", spec.disable_any_whitespace)
+
+
+def _compile(compiler, spec: StructuredOutputsParams):
+    kind = _key(spec)[0]
+    any_whitespace = not spec.disable_any_whitespace
+    if kind == "json":
+        schema = json.loads(spec.json) if isinstance(spec.json, str) else dict(spec.json)
+        if spec.disable_additional_properties:
+            schema = _no_additional_properties(schema)
+        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=any_whitespace)
+    if kind == "regex":
+        return compiler.compile_regex(spec.regex)
+    if kind == "choice":
+        return compiler.compile_grammar(
+            "root ::= " + " | ".join(json.dumps(choice) for choice in spec.choice))
+    if kind == "grammar":
+        return compiler.compile_grammar(spec.grammar)
+    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+
+
+def _no_additional_properties(schema):
+    """The schema with additionalProperties false in every object that does not say otherwise."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: _no_additional_properties(value) for key, value in schema.items()}
+    if schema.get("type") == "object" or "properties" in schema:
+        schema.setdefault("additionalProperties", False)
+    return schema
+
+
+class GrammarState:
+    """One sequence's matcher. It has accepted exactly the sequence's known output tokens: the
+    scheduler does not decode a sequence with a grammar while a token of it is in flight, and a
+    preempted sequence keeps its tokens (recompute), so its matcher needs no rollback."""
+
+    def __init__(self, compiled, eos_token_ids: list[int], vocab_size: int):
+        import xgrammar as xgr
+
+        # Without EOS ids the grammar ends where it completes; else it ends by EOS, which the
+        # mask allows exactly where the grammar may end.
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=eos_token_ids or None,
+                                          terminate_without_stop_token=not eos_token_ids)
+        self.vocab_size = vocab_size
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False: the grammar rejects it (the mask left nothing)."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended (it accepted a stop token)."""
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask, row: int):
+        """Row `row` of bitmask [rows, words] int32 <- the tokens allowed next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def fill_bitmask(states: list[GrammarState]) -> np.ndarray:
+    """[len(states), words] int32: each state's allowed next tokens, a bit per token."""
+    import torch  # xgrammar fills a tensor; the scheduler's modules import no torch
+
+    bitmask = np.zeros((len(states), bitmask_words(states[0].vocab_size)), dtype=np.int32)
+    view = torch.from_numpy(bitmask)
+    for row, state in enumerate(states):
+        state.fill(view, row)
+    return bitmask

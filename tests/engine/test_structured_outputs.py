@@ -1,0 +1,108 @@
+"""Structured outputs (xgrammar): on the tiny random checkpoint, whose text is noise, only the mask
+makes the outputs valid; a mixed batch under preemption keeps every row correct."""
+
+import json
+import re
+
+import pytest
+
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+pytestmark = pytest.mark.cpu_suite
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
+        "size": {"enum": ["small", "large", 3]},
+        "score": {"type": "number", "minimum": -5, "maximum": 5},
+        "point": {"type": "object", "properties": {"x": {"type": "integer"},
+                                                   "tags": {"type": "array", "maxItems": 2,
+                                                            "items": {"type": "boolean"}}},
+                  "required": ["x", "tags"], "additionalProperties": False},
+        "values": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "size", "point", "values"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{2,4}-\d{1,3}(\.[xy])?"
+CHOICES = ["yes", "no", "maybe so"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=128, max_model_len=320,
+             max_num_seqs=64) as llm:
+        yield llm
+
+
+def structured(**spec) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**spec)
+
+
+def test_params_follow_vllms_one_of_rule():
+    with pytest.raises(ValueError, match="only use one kind"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(ValueError, match="none are specified"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        StructuredOutputsParams(json_object=True, whitespace_pattern=r"\s")
+    with pytest.raises(TypeError, match="structured_outputs must be"):
+        SamplingParams(structured_outputs={"json": {}})
+    assert SamplingParams(structured_outputs=structured(choice=["a"])).uses_only_temperature
+
+
+def test_json_schema_samples_validate(llm):
+    spec = structured(json=SCHEMA, disable_any_whitespace=True)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=160, structured_outputs=spec)
+    outputs = llm.generate(["json: "] * 50, params, use_tqdm=False)
+    completions = [c for o in outputs for c in o.outputs]
+    assert len(completions) == 200
+    stopped = [c for c in completions if c.finish_reason == "stop"]
+    assert len(stopped) >= 100, [c.finish_reason for c in completions]
+    for completion in stopped:
+        jsonschema.validate(json.loads(completion.text), SCHEMA)
+    for completion in completions:  # the EOS that ended it is the last token
+        assert completion.finish_reason in ("stop", "length")
+
+
+def test_regex_choice_and_json_object(llm):
+    params = [SamplingParams(max_tokens=40, structured_outputs=structured(regex=REGEX)),
+              SamplingParams(max_tokens=40, structured_outputs=structured(choice=CHOICES)),
+              SamplingParams(max_tokens=120, structured_outputs=structured(
+                  json_object=True, disable_any_whitespace=True))]
+    outputs = llm.generate(["a"] * 30, params * 10, use_tqdm=False)
+    by_kind = [[o.outputs[0] for o in outputs[k::3]] for k in range(3)]
+    for completion in by_kind[0]:
+        assert completion.finish_reason == "stop" and re.fullmatch(REGEX, completion.text)
+    for completion in by_kind[1]:
+        assert completion.finish_reason == "stop" and completion.text in CHOICES
+    for completion in by_kind[2]:
+        if completion.finish_reason == "stop":
+            assert isinstance(json.loads(completion.text), dict)
+
+
+def test_invalid_specs_raise_at_submission(llm):
+    engine = llm.llm_engine
+    for spec, words in ((structured(regex="[a-"), "regex"),
+                        (structured(json={"type": "objec"}), "json"),
+                        (structured(grammar="root ::= missing"), "grammar")):
+        with pytest.raises(ValueError, match=words):
+            llm.generate(["a", "b"], SamplingParams(structured_outputs=spec), use_tqdm=False)
+    assert engine.scheduler.is_finished()
+
+
+def test_grammar_compiled_once_per_spec(llm):
+    grammars = llm.llm_engine.grammars
+    spec = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}
+    params = SamplingParams(max_tokens=30, structured_outputs=structured(json=dict(spec)))
+    llm.generate(["a"] * 3, params, use_tqdm=False)
+    before = len(grammars.compiled)
+    again = SamplingParams(structured_outputs=structured(json=json.dumps(spec, sort_keys=True)))
+    first = grammars.compile(params.structured_outputs)
+    assert grammars.compile(again.structured_outputs) is first
+    assert len(grammars.compiled) == before
