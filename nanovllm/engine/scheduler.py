@@ -65,15 +65,14 @@ def step_sampling(sampled: list[Sequence]) -> StepSampling:
     """The sampling settings of the sequences that get a token, in row order; updates their
     token histories (penalties); fills the masks of rows with a grammar (their tokens are known:
     _schedule_decode waits for them)."""
-    sampling = StepSampling(
+    grammar_rows = [row for row, seq in enumerate(sampled) if seq.grammar is not None]
+    bitmask = fill_bitmask([sampled[row].grammar for row in grammar_rows]) if grammar_rows else None
+    return StepSampling(
         [seq.sampling for seq in sampled], [seq.num_tokens for seq in sampled],
         {row: ids for row, seq in enumerate(sampled)
          if seq.sampling.stop_ids and (ids := seq.suppressed_stop_ids)},
-        {row: seq.token_array() for row, seq in enumerate(sampled) if seq.sampling.uses_penalties})
-    sampling.grammar_rows = [row for row, seq in enumerate(sampled) if seq.grammar is not None]
-    if sampling.grammar_rows:
-        sampling.bitmask = fill_bitmask([sampled[row].grammar for row in sampling.grammar_rows])
-    return sampling
+        {row: seq.token_array() for row, seq in enumerate(sampled) if seq.sampling.uses_penalties},
+        grammar_rows, bitmask)
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int,
