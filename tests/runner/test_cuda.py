@@ -164,7 +164,7 @@ def test_sampling_controls_on_cuda(tiny_bf16, prompts):
     assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]  # reproduced
     for out in first[0::2]:
         assert len(out["logprobs"]) == 8 and all(len(step) >= 3 for step in out["logprobs"])
-        assert all(lp <= 0 for step in out["logprobs"] for lp in step.values())
+        assert all(lp.logprob <= 0 for step in out["logprobs"] for lp in step.values())
 
 
 def test_sampler_graphs_sample_what_the_eager_sampler_does(tiny_bf16, prompts):
@@ -190,8 +190,11 @@ def test_sampler_graphs_sample_what_the_eager_sampler_does(tiny_bf16, prompts):
     for want, got in zip(outputs[True], outputs[False]):
         assert got["token_ids"] == want["token_ids"]
         assert ("logprobs" in got) == ("logprobs" in want)
-        for got_step, want_step in zip(got.get("logprobs", []), want.get("logprobs", [])):
-            assert got_step == pytest.approx(want_step, abs=1e-5)
+        for got_step, want_step in zip(got["logprobs"] or [], want["logprobs"] or []):
+            assert got_step.keys() == want_step.keys()
+            for token, entry in got_step.items():
+                assert entry.logprob == pytest.approx(want_step[token].logprob, abs=1e-5)
+                assert entry.rank == want_step[token].rank
 
 
 def test_decode_graphs_sample_temperature_steps_as_the_eager_sampler_does(tiny_bf16, prompts,
