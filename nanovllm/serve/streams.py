@@ -1,10 +1,11 @@
 """A request's answer: whole (after its last delta) or as server-sent events, each choice's deltas
 as they come, then the usage chunk when asked, then `data: [DONE]`."""
 
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 
@@ -53,40 +54,37 @@ async def completion_events(state, body: CompletionRequest, stream: RequestStrea
                             prompts: list) -> AsyncIterator[str]:
     """A completion's server-sent events: one chunk per choice's delta."""
     choices = CompletionChoices(body, prompts, state.llm.tokenizer, state.token_text)
-    meta = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
-    num_tokens = 0
-    try:
-        while deltas := await stream.next_deltas():
-            for delta in deltas:
-                num_tokens += len(delta.token_ids)
-                yield _event(CompletionResponse(**meta, choices=[choices.choice(delta)]))
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield _event(CompletionResponse(**meta, choices=[],
-                                            usage=usage(stream.num_prompt_tokens, num_tokens)))
-    except EngineStopped as e:
-        yield _event(APIError(503, str(e)).body())
-    finally:  # a client that left, or a cancelled task, aborts what is unfinished
-        state.loop.abort(stream)
-    yield DONE
+    chunk = functools.partial(CompletionResponse, id=f"cmpl-{uuid.uuid4().hex}",
+                              created=int(time.time()), model=state.model_name)
+    async for event in _events(state, body, stream, chunk, choices.choice):
+        yield event
 
 
 async def chat_events(state, body: ChatCompletionRequest,
                       stream: RequestStream) -> AsyncIterator[str]:
     """A chat completion's server-sent events: each choice's role, then its content deltas."""
     choices = ChatChoices(body, state.token_text)
-    meta = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-                model=state.model_name)
-    roles = [choices.role_chunk_choice(i) for i in range(_num_choices(stream))]
+    chunk = functools.partial(ChatCompletionChunk, id=f"chatcmpl-{uuid.uuid4().hex}",
+                              created=int(time.time()), model=state.model_name)
+    roles = chunk(choices=[choices.role_chunk_choice(i) for i in range(_num_choices(stream))])
+    async for event in _events(state, body, stream, chunk, choices.chunk_choice, roles):
+        yield event
+
+
+async def _events(state, body, stream: RequestStream, chunk: Callable[..., BaseModel],
+                  choice: Callable, first: BaseModel | None = None) -> AsyncIterator[str]:
+    """`first`, a chunk per delta, the usage chunk when asked, then DONE; an engine that stops
+    sends OpenAI's 503 error body instead."""
     num_tokens = 0
     try:
-        yield _event(ChatCompletionChunk(**meta, choices=roles))
+        if first is not None:
+            yield _event(first)
         while deltas := await stream.next_deltas():
             for delta in deltas:
                 num_tokens += len(delta.token_ids)
-                yield _event(ChatCompletionChunk(**meta, choices=[choices.chunk_choice(delta)]))
+                yield _event(chunk(choices=[choice(delta)]))
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield _event(ChatCompletionChunk(**meta, choices=[],
-                                             usage=usage(stream.num_prompt_tokens, num_tokens)))
+            yield _event(chunk(choices=[], usage=usage(stream.num_prompt_tokens, num_tokens)))
     except EngineStopped as e:
         yield _event(APIError(503, str(e)).body())
     finally:  # a client that left, or a cancelled task, aborts what is unfinished
