@@ -53,7 +53,9 @@ class StepSampling:
     # penalties. The row's tokens in flight are the positions from len(history) to positions[row].
     histories: dict[int, np.ndarray] = field(default_factory=dict)
     # The rows with a grammar (structured outputs), and their allowed tokens: bitmask
-    # [len(grammar_rows), ceil(vocab / 32)] int32, bit t of a row set = token t allowed.
+    # [len(grammar_rows), ceil(vocab / 32)] int32, bit t of a row set = token t allowed. The step
+    # is launched without it (ModelRunner.run stops at the logits) and sampled once the engine has
+    # filled it (ModelRunner.sample_masked), after the previous step's tokens are known.
     grammar_rows: list[int] = field(default_factory=list)
     bitmask: np.ndarray | None = None
 
@@ -65,7 +67,7 @@ class StepSampling:
     @property
     def only_temperature(self) -> bool:
         """Every row draws by temperature alone and masks nothing: the one-pass sampler, whole."""
-        return not self.suppressed and not self.uses_controls and self.bitmask is None
+        return not self.suppressed and not self.uses_controls and not self.grammar_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,8 @@ class ScheduledStep:
     sampling: StepSampling | None = None  # rank 0: the sampling rows' settings
     # prefill row -> the prompt logprobs it computes (every rank runs their lm_head).
     prompt_logprobs: dict[int, PromptLogprobRows] = field(default_factory=dict)
+    # Some row has a grammar: `run` computes the logits, `sample_masked` samples (every rank).
+    masked: bool = False
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -113,7 +117,7 @@ class ScheduledStep:
         return ScheduledStep, (self.is_prefill, self.seq_ids, self.token_ids,
                                self.num_scheduled_tokens, self.num_computed_tokens,
                                self.block_tables, self.samples, self.forks, None,
-                               self.prompt_logprobs)
+                               self.prompt_logprobs, self.masked)
 
 
 @dataclass(slots=True)

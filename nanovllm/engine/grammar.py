@@ -123,9 +123,9 @@ def _no_additional_properties(schema):
 
 
 class GrammarState:
-    """One sequence's matcher. It has accepted exactly the sequence's known output tokens: the
-    scheduler does not decode a sequence with a grammar while a token of it is in flight, and a
-    preempted sequence keeps its tokens (recompute), so its matcher needs no rollback."""
+    """One sequence's matcher. It has accepted exactly the sequence's known output tokens (the
+    engine fills a step's masks once the tokens before it are known), and a preempted sequence
+    keeps its tokens (recompute), so its matcher needs no rollback."""
 
     def __init__(self, compiled, eos_token_ids: list[int], vocab_size: int):
         import xgrammar as xgr
@@ -150,12 +150,14 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def fill_bitmask(states: list[GrammarState]) -> np.ndarray:
-    """[len(states), words] int32: each state's allowed next tokens, a bit per token."""
-    import torch  # xgrammar fills a tensor; the scheduler's modules import no torch
+def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> np.ndarray:
+    """[len(states), words] int32: each state's allowed next tokens, a bit per token; a None
+    state (a finished sequence, whose token is discarded) allows every token."""
+    import torch  # xgrammar fills a tensor
 
-    bitmask = np.zeros((len(states), bitmask_words(states[0].vocab_size)), dtype=np.int32)
+    bitmask = np.full((len(states), bitmask_words(vocab_size)), -1, dtype=np.int32)
     view = torch.from_numpy(bitmask)
     for row, state in enumerate(states):
-        state.fill(view, row)
+        if state is not None:
+            state.fill(view, row)
     return bitmask

@@ -20,7 +20,7 @@ from nanovllm.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.config import Config
 from nanovllm.engine.colocate import ModelConfig, ModelExecutor
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.grammar import Grammars
+from nanovllm.engine.grammar import Grammars, fill_bitmask
 from nanovllm.engine.outputs import StreamOutput, request_output, stream_outputs
 from nanovllm.engine.requests import Request, RequestLimits
 from nanovllm.engine.scheduler import CommittedStep, Scheduler, scheduled_step
@@ -306,14 +306,17 @@ class LLMEngine(WeightOps):
         done, finished = None, []
         try:
             seqs, is_prefill = self.scheduler.schedule()
-            launched = None
+            launched = step = None
             if seqs:
-                pending = self.model_runner.call("run", scheduled_step(seqs, is_prefill))
+                step = scheduled_step(seqs, is_prefill)
+                pending = self.model_runner.call("run", step)
                 launched = (self.scheduler.commit(seqs, is_prefill), pending)
             elif self.inflight is None:
                 raise RuntimeError("the scheduler could not schedule any request (internal error)")
             if self.inflight is not None:
                 done, finished = self._postprocess_inflight()
+            if step is not None and step.masked:  # the GPU runs the step's forward meanwhile
+                launched = (launched[0], self._sample_masked(launched[0], step.sampling))
             self.inflight = launched
         except BaseException as error:
             # The ranks are out of step: release everything, naming a dead worker if there is one.
@@ -330,6 +333,15 @@ class LLMEngine(WeightOps):
         prefill = done.num_tokens if done.is_prefill else 0
         self.num_prefilled_tokens += prefill
         return StepResult(finished, prefill, done.num_tokens - prefill)
+
+    def _sample_masked(self, committed: CommittedStep, sampling) -> PendingOutput:
+        """Sample a launched step whose grammar rows' masks needed the tokens before it, which
+        are known now; a row finished meanwhile is not masked (its token is discarded)."""
+        sampled = committed.sampled
+        states = [None if sampled[row].is_finished else sampled[row].grammar
+                  for row in sampling.grammar_rows]
+        bitmask = fill_bitmask(states, self.config.hf_config.vocab_size)
+        return self.model_runner.sample_masked(bitmask)
 
     def _postprocess_inflight(self) -> tuple[CommittedStep, list[Sequence]]:
         """Hand the in-flight step's tokens to its sequences; returns it and those it finished."""

@@ -5,7 +5,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.grammar import fill_bitmask
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.step import PromptLogprobRows, ScheduledStep, StepSampling
 
@@ -23,11 +22,12 @@ def scheduled_step(seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
     """The step the runner is handed for `seqs` as scheduled (before `commit`), by rows."""
     if not is_prefill:  # a decode row computes its last token (maybe in flight) and samples
         n = len(seqs)
+        sampling = step_sampling(seqs)
         return ScheduledStep(False, [seq.seq_id for seq in seqs],
                              [seq.token_ids[-1] for seq in seqs], [1] * n,
                              [seq.num_cached_tokens for seq in seqs],
-                             [seq.block_table for seq in seqs], [True] * n, {},
-                             step_sampling(seqs))
+                             [seq.block_table for seq in seqs], [True] * n, {}, sampling,
+                             masked=bool(sampling.grammar_rows))
     step = ScheduledStep(True)
     prompt_row = -1
     for row, seq in enumerate(seqs):
@@ -46,6 +46,7 @@ def scheduled_step(seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
         else:  # _fork puts a prompt's forks right after it
             step.forks[row] = prompt_row
     step.sampling = step_sampling([seq for seq in seqs if seq.completes_prefill])
+    step.masked = bool(step.sampling.grammar_rows)
     return step
 
 
@@ -63,16 +64,14 @@ def prompt_logprob_rows(seq: Sequence) -> PromptLogprobRows | None:
 
 def step_sampling(sampled: list[Sequence]) -> StepSampling:
     """The sampling settings of the sequences that get a token, in row order; updates their
-    token histories (penalties); fills the masks of rows with a grammar (their tokens are known:
-    _schedule_decode waits for them)."""
-    grammar_rows = [row for row, seq in enumerate(sampled) if seq.grammar is not None]
-    bitmask = fill_bitmask([sampled[row].grammar for row in grammar_rows]) if grammar_rows else None
+    token histories (penalties). The rows with a grammar are listed; their masks wait for the
+    tokens in flight (LLMEngine fills them)."""
     return StepSampling(
         [seq.sampling for seq in sampled], [seq.num_tokens for seq in sampled],
         {row: ids for row, seq in enumerate(sampled)
          if seq.sampling.stop_ids and (ids := seq.suppressed_stop_ids)},
         {row: seq.token_array() for row, seq in enumerate(sampled) if seq.sampling.uses_penalties},
-        grammar_rows, bitmask)
+        [row for row, seq in enumerate(sampled) if seq.grammar is not None])
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int,
@@ -179,9 +178,6 @@ class Scheduler:
         while self.running and len(scheduled) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
             if seq.num_completion_tokens >= seq.max_tokens:  # ends once its in-flight tokens return
-                visited.append(seq)
-                continue
-            if seq.grammar is not None and seq.num_inflight:  # its mask needs that token
                 visited.append(seq)
                 continue
             while not bm.can_append(seq):

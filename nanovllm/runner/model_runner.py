@@ -106,6 +106,8 @@ class ModelRunner:
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs = self.sampler_graphs = None
         self.offloaded: dict[str, Offloaded] = {}  # what sleep() freed, by wake_up tag
+        # A step `run` left at its logits for sample_masked: (logits, sampling, seq_ids, prompt).
+        self.masked_step: tuple | None = None
         self.moved = False  # a restored storage came back at another address
         if is_cuda and not config.enforce_eager:
             self._capture_graphs()
@@ -311,8 +313,32 @@ class ModelRunner:
                 no_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
                 return PendingOutput(SamplerOutput(no_tokens), self.channel, prompt)
             return None
+        if step.masked:  # sampled by sample_masked, once the grammar rows' masks are filled
+            self.masked_step = (logits, step.sampling, seq_ids, prompt)
+            return None
+        return self._sample_and_keep(logits, step.sampling, seq_ids, prompt)
+
+    def sample_masked(self, bitmask: np.ndarray) -> "PendingOutput":
+        """Rank 0: sample the step `run` left at its logits, its grammar rows masked by bitmask
+        [grammar rows, ceil(vocab / 32)] int32; the workers take part without the masks."""
+        if self.channel is not None:
+            self.channel.send("_sample_masked", None)
+        return self._sample_masked(bitmask)
+
+    @torch.inference_mode()
+    def _sample_masked(self, bitmask: np.ndarray | None) -> "PendingOutput | None":
+        logits, sampling, seq_ids, prompt = self.masked_step
+        self.masked_step = None
+        if sampling is not None:
+            sampling.bitmask = bitmask
+        return self._sample_and_keep(logits, sampling, seq_ids, prompt)
+
+    def _sample_and_keep(self, logits: torch.Tensor, sampling: StepSampling | None,
+                         seq_ids: list[int], prompt: dict) -> "PendingOutput | None":
+        """Rank 0 samples logits [rows, vocab] and broadcasts the tokens; every rank keeps them
+        as the next step's inputs."""
         if self.rank == 0:
-            output = self._sample(logits, step.sampling, seq_ids)
+            output = self._sample(logits, sampling, seq_ids)
             tokens = output.token_ids
         else:
             tokens = torch.empty(len(seq_ids), dtype=torch.int64, device=self.device)

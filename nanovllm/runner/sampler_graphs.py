@@ -28,7 +28,7 @@ class SamplerGraphs:
         """Not for a temperature-only batch (one kernel), nor one larger than the buckets, nor one
         with a grammar (its rows and masks vary every step: the sampler runs eagerly)."""
         return (len(sampling.requests) <= self.max_batch_size and sampling.uses_controls
-                and sampling.bitmask is None)
+                and not sampling.grammar_rows)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, sampling: StepSampling, to_device: ToDevice,
