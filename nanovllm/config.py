@@ -28,6 +28,55 @@ def _any(value) -> bool:
     return True
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # a verify step takes 1 + k rows per sequence
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config for n-gram (prompt lookup) drafting: up to
+    num_speculative_tokens tokens copied from where the sequence's last n tokens (the longest n in
+    [prompt_lookup_min, prompt_lookup_max]) occurred before."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+    @classmethod
+    def of(cls, spec) -> "SpeculativeConfig":
+        """From vLLM's dict (or a SpeculativeConfig); ValueError naming a bad key or value."""
+        if isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        spec = {key: value for key, value in spec.items() if value is not None}
+        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        for key in spec:
+            if key not in known:
+                raise ValueError(f"speculative_config key {key!r} is not supported; the keys "
+                                 f"are {', '.join(known)}")
+        method = spec.get("method", "ngram")
+        method = "ngram" if method == "[ngram]" else method
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method={method!r} is not supported; methods: "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        lookup_max = spec.get("prompt_lookup_max", spec.get("prompt_lookup_min", 5))
+        lookup_min = spec.get("prompt_lookup_min", lookup_max)
+        if "num_speculative_tokens" not in spec:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        k = spec["num_speculative_tokens"]
+        for name, value, low, high in (("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS),
+                                       ("prompt_lookup_min", lookup_min, 1, None),
+                                       ("prompt_lookup_max", lookup_max, lookup_min, None)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"speculative_config {name} must be an int, got {value!r}")
+            if value < low or (high is not None and value > high):
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(f"speculative_config {name}={value} must be {bound}")
+        return cls(k, lookup_max, lookup_min, method)
+
+
 # vLLM options that change nothing here: the values this engine honours, and why others fail.
 INERT_OPTIONS = {
     "trust_remote_code": (_any, "the supported architectures are built in"),
@@ -108,6 +157,8 @@ class Config:
     load_format: str = "auto"  # "dummy": random weights, for update_weights to fill
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
     logprobs_mode: str = "raw_logprobs"  # vLLM's: raw or processed, logprobs or logits
+    # vLLM's dict ({"method": "ngram", "num_speculative_tokens": k, ...}), a SpeculativeConfig
+    speculative_config: SpeculativeConfig | dict | None = None
     hf_config: object = field(init=False, repr=False)
 
     @classmethod
@@ -119,6 +170,8 @@ class Config:
 
     def __post_init__(self):
         self._check_types()
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         from nanovllm.checkpoint.hub import resolve_model
         from nanovllm.models import MODELS
 

@@ -125,6 +125,26 @@ class BlockManager:
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block())
 
+    def can_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Room for `num_tokens` more KV slots past the decode step's (a draft's)."""
+        needed = (seq.num_tokens + num_tokens + self.block_size - 1) // self.block_size
+        return needed - len(seq.block_table) <= self.num_free_blocks
+
+    def reserve(self, seq: Sequence, num_tokens: int):
+        """Blocks for `num_tokens` more KV slots past the decode step's (after may_append)."""
+        needed = (seq.num_tokens + num_tokens + self.block_size - 1) // self.block_size
+        while len(seq.block_table) < needed:
+            seq.block_table.append(self._take_free_block())
+
+    def trim(self, seq: Sequence):
+        """Free the blocks past what `seq`'s tokens need (a rejected draft's): never shared,
+        never hashed."""
+        while len(seq.block_table) > seq.num_blocks:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash == NO_HASH, block.block_id
+            block.ref_count = 0
+            self.free_block_ids[block.block_id] = None
+
     def register_computed_blocks(self, seq: Sequence, num_cached_before: int):
         """Hash the blocks of `seq` that became full and computed since `num_cached_before`."""
         if not self.enable_prefix_caching:

@@ -25,6 +25,7 @@ from nanovllm.engine.outputs import StreamOutput, request_output, stream_outputs
 from nanovllm.engine.requests import Request, RequestLimits
 from nanovllm.engine.scheduler import CommittedStep, Scheduler, scheduled_step
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.speculative import NgramDrafter, accepted_length
 from nanovllm.engine.weight_ops import WeightOps
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput, free_port, run_worker
 from nanovllm.runner.shm_channel import NO_MAIN_GUARD_EXIT_CODE, ShmChannel, WorkerDiedError
@@ -93,6 +94,12 @@ class LLMEngine(WeightOps):
         self._stepping = self._out_of_step = False
         self._aborted: list[Sequence] = []  # closed streams' requests, finished at the next chance
         self.num_prefilled_tokens = 0  # tokens computed by prefill steps, since start-up
+        # Speculation, since start-up: drafts verified, their tokens, the tokens accepted.
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        # Some sequence has a draft, or a verify step is in flight: the next step first ends the
+        # step in flight (drafts are verified only against known tokens).
+        self._drafts_pending = False
+        self._proposed = False  # the last postprocess proposed a draft
         self.sleep_level = 0  # LLM.sleep's level while anything is asleep
         self.asleep: set[str] = set()  # of WAKE_TAGS: what sleep freed and wake_up has not restored
         self.unloaded_weights: set[str] = set()  # discarded by sleep(level=2), not reloaded yet
@@ -237,6 +244,8 @@ class LLMEngine(WeightOps):
                 sample.request_id = request.request_id
                 if grammar is not None:  # each sample its own matcher
                     sample.grammar = self.grammars.matcher(grammar)
+                elif self.config.speculative_config is not None:
+                    sample.drafter = NgramDrafter(self.config.speculative_config)
             seqs += samples
         for seq in seqs:
             if detokenize or seq.sampling_params.stop:
@@ -305,16 +314,22 @@ class LLMEngine(WeightOps):
     def _step(self) -> StepResult:
         done, finished = None, []
         try:
+            if self.inflight is not None and self._drafts_pending:
+                # Speculation: the drafts need every token, so the step in flight ends first.
+                done, finished = self._postprocess_inflight()
             seqs, is_prefill = self.scheduler.schedule()
             launched = step = None
             if seqs:
                 step = scheduled_step(seqs, is_prefill)
                 pending = self.model_runner.call("run", step)
                 launched = (self.scheduler.commit(seqs, is_prefill), pending)
-            elif self.inflight is None:
+            elif self.inflight is None and done is None:
                 raise RuntimeError("the scheduler could not schedule any request (internal error)")
+            self._proposed = False  # drafts proposed before the schedule were taken by it
             if self.inflight is not None:
                 done, finished = self._postprocess_inflight()
+            self._drafts_pending = self._proposed or (launched is not None
+                                                      and self._decides_drafts(launched[0]))
             if step is not None and step.masked:  # the GPU runs the step's forward meanwhile
                 launched = (launched[0], self._sample_masked(launched[0], step.sampling))
             self.inflight = launched
@@ -348,25 +363,78 @@ class LLMEngine(WeightOps):
         step, pending = self.inflight
         self.inflight = None
         output = pending.result() if pending is not None else None
-        token_ids = output.token_ids.tolist() if output is not None else []
-        alive = [not seq.is_finished for seq in step.sampled]
-        finished = self.scheduler.postprocess(step, token_ids)
-        if output is not None and output.logprobs is not None:
-            self._add_logprobs(step.sampled, alive, output)
+        if output is not None and any(step.drafts):
+            finished = self._take_verified(step, output)
+        else:
+            token_ids = output.token_ids.tolist() if output is not None else []
+            alive = [not seq.is_finished for seq in step.sampled]
+            finished = self.scheduler.postprocess(step, token_ids)
+            if output is not None and output.logprobs is not None:
+                self._add_logprobs([(seq, row) for row, (seq, live)
+                                    in enumerate(zip(step.sampled, alive)) if live], output)
+            sampled = zip(step.sampled, alive, token_ids)
+            finished += self._detokenize([(seq, token) for seq, live, token in sampled if live])
         if output is not None and output.prompt_logprobs:
             self._add_prompt_logprobs(step.seqs, output)
-        sampled = zip(step.sampled, alive, token_ids)
-        finished += self._detokenize([(seq, token) for seq, live, token in sampled if live])
+        if self.config.speculative_config is not None:
+            self._propose(step.sampled)
         return step, finished
 
+    def _take_verified(self, step: CommittedStep, output: StepOutput) -> list[Sequence]:
+        """A step with drafts: each sequence keeps its rows' tokens up to the first one the
+        target sampled differently from the draft (included), taken one by one, as single
+        decode steps would, until one finishes it."""
+        token_ids = output.token_ids.tolist()
+        finished, first = [], 0
+        for seq, draft in zip(step.sampled, step.drafts, strict=True):
+            rows = range(first, first + 1 + len(draft))
+            first = rows.stop
+            if seq.is_finished:
+                continue
+            accepted = accepted_length(draft, token_ids[rows.start:rows.stop])
+            if draft:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += accepted
+                seq.drafter.record(len(draft), accepted)
+                self.scheduler.reject_draft(seq, len(draft) - accepted)
+            for row in rows[:accepted + 1]:
+                if self.scheduler.take_token(seq, token_ids[row]):
+                    finished.append(seq)
+                if output.logprobs is not None:
+                    self._add_logprobs([(seq, row)], output)
+                finished += self._detokenize([(seq, token_ids[row])])
+                if seq.is_finished:
+                    break
+        self.scheduler.register_blocks(step)
+        return finished
+
     @staticmethod
+    def _decides_drafts(step: CommittedStep) -> bool:
+        """The tokens of `step` decide the next step's drafts, so it waits for them: a verify
+        step, or a prefill that samples for sequences that draft (from their prompts)."""
+        if step.is_prefill:
+            return any(seq.drafter is not None for seq in step.sampled)
+        return any(step.drafts)
+
+    def _propose(self, seqs: list[Sequence]):
+        """Each live sequence's draft for its known tokens; a draft makes the next step wait for
+        the step in flight (its tokens come before the draft's)."""
+        for seq in seqs:
+            if seq.drafter is not None and not seq.is_finished:
+                seq.draft = seq.drafter.propose(seq.token_ids, seq.num_tokens - seq.num_inflight)
+                self._proposed = self._proposed or bool(seq.draft)
+
     @staticmethod
-    def _add_logprobs(seqs: list[Sequence], alive: list[bool], output: StepOutput):
-        rows = zip(seqs, alive, output.logprob_token_ids.tolist(), output.logprobs.tolist(),
-                   output.logprob_ranks.tolist())
-        for seq, live, ids, logprobs, rank in rows:
+    def _add_logprobs(rows: list[tuple[Sequence, int]], output: StepOutput):
+        """Each (sequence, row) of the step's output: the sampled token's logprob entry, then the
+        top N of the largest N."""
+        index = [row for _, row in rows]
+        values = zip(rows, output.logprob_token_ids[index].tolist(),
+                     output.logprobs[index].tolist(), output.logprob_ranks[index].tolist())
+        for (seq, _), ids, logprobs, rank in values:
             n = seq.sampling_params.logprobs
-            if live and n is not None:  # the sampled token, then the top N of the largest N
+            if n is not None:
                 top = dict(zip(ids[1:n + 1], logprobs[1:n + 1]))
                 seq.logprobs.append({ids[0]: logprobs[0], **top})
                 seq.logprob_ranks.append(rank)

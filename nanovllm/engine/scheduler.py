@@ -4,6 +4,8 @@
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.step import PromptLogprobRows, ScheduledStep, StepSampling
@@ -16,18 +18,18 @@ class CommittedStep:
     sampled: list[Sequence]  # the sequences that get a token from this step, in row order
     num_cached_before: list[int]
     num_tokens: int
+    # Per sampled sequence, the draft its rows verify ([]: one row); rows follow in this order.
+    drafts: list[list[int]]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(1 + len(draft) for draft in self.drafts)
 
 
 def scheduled_step(seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
     """The step the runner is handed for `seqs` as scheduled (before `commit`), by rows."""
-    if not is_prefill:  # a decode row computes its last token (maybe in flight) and samples
-        n = len(seqs)
-        sampling = step_sampling(seqs)
-        return ScheduledStep(False, [seq.seq_id for seq in seqs],
-                             [seq.token_ids[-1] for seq in seqs], [1] * n,
-                             [seq.num_cached_tokens for seq in seqs],
-                             [seq.block_table for seq in seqs], [True] * n, {}, sampling,
-                             masked=bool(sampling.grammar_rows))
+    if not is_prefill:
+        return decode_step(seqs)
     step = ScheduledStep(True)
     prompt_row = -1
     for row, seq in enumerate(seqs):
@@ -50,6 +52,35 @@ def scheduled_step(seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
     return step
 
 
+def decode_step(seqs: list[Sequence]) -> ScheduledStep:
+    """A decode row computes a sequence's last token (maybe in flight) and samples the next. A
+    sequence with a draft of d tokens has 1 + d rows, all in the decode graphs' shape: row i
+    computes the token at position num_cached_tokens + i (the last token, then the draft's) over
+    the KV before it, written by rows < i of the same layer, and samples what follows."""
+    if not any(seq.draft for seq in seqs):
+        n = len(seqs)
+        sampling = step_sampling(seqs)
+        return ScheduledStep(False, [seq.seq_id for seq in seqs],
+                             [seq.token_ids[-1] for seq in seqs], [1] * n,
+                             [seq.num_cached_tokens for seq in seqs],
+                             [seq.block_table for seq in seqs], [True] * n, {}, sampling,
+                             masked=bool(sampling.grammar_rows))
+    step = ScheduledStep(False)
+    for seq in seqs:
+        table = seq.block_table
+        step.token_ids.append(seq.token_ids[-1])
+        step.token_ids += seq.draft
+        for i in range(1 + len(seq.draft)):
+            step.seq_ids.append(seq.seq_id)
+            step.num_computed_tokens.append(seq.num_cached_tokens + i)
+            step.block_tables.append(table)
+    rows = len(step.seq_ids)
+    step.num_scheduled_tokens, step.samples = [1] * rows, [True] * rows
+    step.sampling = step_sampling(seqs, [seq.draft for seq in seqs])
+    step.masked = bool(step.sampling.grammar_rows)
+    return step
+
+
 def prompt_logprob_rows(seq: Sequence) -> PromptLogprobRows | None:
     """The prompt logprobs the scheduled chunk of `seq` computes: position p predicts prompt token
     p + 1, for the positions it has none for yet (a re-prefill after preemption repeats none)."""
@@ -62,16 +93,33 @@ def prompt_logprob_rows(seq: Sequence) -> PromptLogprobRows | None:
                              seq.sampling_params.prompt_logprobs)
 
 
-def step_sampling(sampled: list[Sequence]) -> StepSampling:
-    """The sampling settings of the sequences that get a token, in row order; updates their
+def step_sampling(sampled: list[Sequence], drafts: list[list[int]] | None = None) -> StepSampling:
+    """The sampling settings of the sequences that get a token, a row each (1 + d rows with a
+    draft of d tokens: row i samples after the draft's first i), in row order; updates their
     token histories (penalties). The rows with a grammar are listed; their masks wait for the
     tokens in flight (LLMEngine fills them)."""
-    return StepSampling(
-        [seq.sampling for seq in sampled], [seq.num_tokens for seq in sampled],
-        {row: ids for row, seq in enumerate(sampled)
-         if seq.sampling.stop_ids and (ids := seq.suppressed_stop_ids)},
-        {row: seq.token_array() for row, seq in enumerate(sampled) if seq.sampling.uses_penalties},
-        [row for row, seq in enumerate(sampled) if seq.grammar is not None])
+    if drafts is None or not any(drafts):
+        return StepSampling(
+            [seq.sampling for seq in sampled], [seq.num_tokens for seq in sampled],
+            {row: ids for row, seq in enumerate(sampled)
+             if seq.sampling.stop_ids and (ids := seq.suppressed_stop_ids)},
+            {row: seq.token_array() for row, seq in enumerate(sampled)
+             if seq.sampling.uses_penalties},
+            [row for row, seq in enumerate(sampled) if seq.grammar is not None])
+    sampling = StepSampling([], [])
+    for seq, draft in zip(sampled, drafts, strict=True):
+        history = seq.token_array() if seq.sampling.uses_penalties else None
+        for i in range(1 + len(draft)):
+            row = len(sampling.requests)
+            sampling.requests.append(seq.sampling)
+            sampling.positions.append(seq.num_tokens + i)
+            if seq.sampling.stop_ids and (ids := seq.suppressed_stop_ids_after(i)):
+                sampling.suppressed[row] = ids
+            if history is not None:
+                sampling.histories[row] = np.concatenate([history, draft[:i]]).astype(np.int64)
+            if seq.grammar is not None:  # a sequence with a grammar never drafts
+                sampling.grammar_rows.append(row)
+    return sampling
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int,
@@ -192,7 +240,28 @@ class Scheduler:
                 scheduled.append(seq)
                 visited.append(seq)
         self.running.extendleft(reversed(visited))
+        self._take_drafts(scheduled)
         return scheduled
+
+    def _take_drafts(self, scheduled: list[Sequence]):
+        """Give the scheduled sequences their drafts (speculation), each cut to the rows left
+        under the step's limit, the sequence's max_tokens and max_model_len, and the free blocks
+        (a draft never preempts); a sequence with a token in flight drafts nothing (its draft
+        was proposed before that token)."""
+        rows_left = min(self.max_num_seqs, self.max_num_batched_tokens) - len(scheduled)
+        bm = self.block_manager
+        for seq in scheduled:
+            draft = seq.draft if not seq.num_inflight else []
+            limit = min(rows_left, seq.max_tokens - seq.num_completion_tokens - 1,
+                        self.max_model_len - seq.num_tokens)
+            draft = draft[:max(limit, 0)]
+            while draft and not bm.can_reserve(seq, len(draft)):
+                draft = draft[:-1]
+            if draft:
+                bm.reserve(seq, len(draft))
+                rows_left -= len(draft)
+                seq.num_scheduled_tokens += len(draft)
+            seq.draft = draft
 
     def _preempt(self, seq: Sequence):
         """Recompute preemption: free the blocks, re-prefill (prompt + generated tokens) later."""
@@ -201,44 +270,61 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def commit(self, seqs: list[Sequence], is_prefill: bool) -> CommittedStep:
-        sampled = [seq for seq in seqs if seq.completes_prefill]
+        sampled = [seq for seq in seqs if seq.completes_prefill] if is_prefill else seqs
+        drafts = [[] if is_prefill else seq.draft for seq in sampled]
         step = CommittedStep(seqs, is_prefill, sampled, [seq.num_cached_tokens for seq in seqs],
-                             sum(seq.num_scheduled_tokens for seq in seqs))
+                             sum(seq.num_scheduled_tokens for seq in seqs), drafts)
         for seq in seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-        for seq in step.sampled:
-            seq.append_placeholder()
+            seq.draft = []
+        for seq, draft in zip(sampled, drafts):
+            for _ in range(1 + len(draft)):  # a placeholder per row: the verified ones stay
+                seq.append_placeholder()
         return step
 
     def postprocess(self, step: CommittedStep, token_ids: list[int]) -> list[Sequence]:
-        """Resolve a step's placeholders with its tokens, hash its full blocks; returns finished."""
-        finished = []
-        for seq, token_id in zip(step.sampled, token_ids, strict=True):
-            if seq.is_finished:
-                continue
-            seq.resolve_token(token_id)
-            num_generated = seq.num_output_tokens
-            may_stop = num_generated > seq.min_tokens
-            accepted = seq.grammar is None or seq.grammar.accept(token_id)
-            if not accepted:  # the mask left no token (e.g. allowed_token_ids outside it)
-                self.finish(seq, "abort")
-            elif may_stop and not seq.ignore_eos and token_id in self.eos_token_ids:
-                self.finish(seq, "stop")
-            elif seq.grammar is not None and seq.grammar.is_terminated:
-                self.finish(seq, "stop")
-            elif may_stop and token_id in seq.stop_token_ids:
-                self.finish(seq, "stop", stop_reason=token_id)
-            elif num_generated >= seq.max_tokens:
-                self.finish(seq, "length")
-            else:
-                continue
-            finished.append(seq)
-        # Only now is every token below num_cached_tokens known (the next step's blocks included).
+        """Resolve a step's placeholders with its tokens (a step without drafts), hash its full
+        blocks; returns the sequences it finished."""
+        finished = [seq for seq, token_id in zip(step.sampled, token_ids, strict=True)
+                    if not seq.is_finished and self.take_token(seq, token_id)]
+        self.register_blocks(step)
+        return finished
+
+    def reject_draft(self, seq: Sequence, num_rejected: int):
+        """Drop the placeholders and KV positions of a draft's last `num_rejected` tokens (and
+        the row after them) that the target did not sample, and the blocks they alone needed."""
+        seq.drop_inflight(num_rejected)
+        seq.num_cached_tokens -= num_rejected
+        self.block_manager.trim(seq)
+
+    def take_token(self, seq: Sequence, token_id: int) -> bool:
+        """Resolve `seq`'s oldest placeholder with `token_id` and apply the stop rules; returns
+        whether that finished it."""
+        seq.resolve_token(token_id)
+        num_generated = seq.num_output_tokens
+        may_stop = num_generated > seq.min_tokens
+        accepted = seq.grammar is None or seq.grammar.accept(token_id)
+        if not accepted:  # the mask left no token (e.g. allowed_token_ids outside it)
+            self.finish(seq, "abort")
+        elif may_stop and not seq.ignore_eos and token_id in self.eos_token_ids:
+            self.finish(seq, "stop")
+        elif seq.grammar is not None and seq.grammar.is_terminated:
+            self.finish(seq, "stop")
+        elif may_stop and token_id in seq.stop_token_ids:
+            self.finish(seq, "stop", stop_reason=token_id)
+        elif num_generated >= seq.max_tokens:
+            self.finish(seq, "length")
+        else:
+            return False
+        return True
+
+    def register_blocks(self, step: CommittedStep):
+        """Hash the blocks the step filled: only now is every token below num_cached_tokens
+        known (the next step's blocks included)."""
         for seq, before in zip(step.seqs, step.num_cached_before):
             if seq.block_table and not seq.is_finished:
                 self.block_manager.register_computed_blocks(seq, before)
-        return finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """End `seq` (running, waiting or unforked) and the samples waiting to fork from it."""

@@ -57,6 +57,10 @@ class Sequence:
         # Structured outputs: this sample's matcher (engine.grammar.GrammarState), which has
         # accepted exactly the known output tokens.
         self.grammar = None
+        # Speculation: this sample's n-gram drafter (engine.speculative), and the draft it
+        # proposed for the tokens known at the last step, which a step verifies once scheduled.
+        self.drafter = None
+        self.draft: list[int] = []
         # SamplingParams.n: sample 0 is the parent; samples 1.. wait in its `forks`, in no queue,
         # until the step that completes its prompt forks them (Scheduler._fork).
         self.sample_index = 0
@@ -114,8 +118,12 @@ class Sequence:
     @property
     def suppressed_stop_ids(self) -> tuple[int, ...]:
         """The stop ids the sampler masks now: all of them while short of min_tokens."""
+        return self.suppressed_stop_ids_after(0)
+
+    def suppressed_stop_ids_after(self, num_drafted: int) -> tuple[int, ...]:
+        """The same for the token after `num_drafted` more tokens (a draft's)."""
         stop_ids = self.sampling.stop_ids
-        if stop_ids and self.num_tokens - self.num_prompt_tokens < self.min_tokens:
+        if stop_ids and self.num_completion_tokens + num_drafted < self.min_tokens:
             return stop_ids
         return ()
 
@@ -139,10 +147,12 @@ class Sequence:
         self.token_ids[self.num_tokens - self.num_inflight] = token_id
         self.num_inflight -= 1
 
-    def drop_inflight(self):
-        self.num_tokens -= self.num_inflight
+    def drop_inflight(self, count: int | None = None):
+        """Drop the last `count` in-flight tokens (default: all)."""
+        count = self.num_inflight if count is None else count
+        self.num_tokens -= count
         del self.token_ids[self.num_tokens:]
-        self.num_inflight = 0
+        self.num_inflight -= count
 
 
 class TokenHistory:

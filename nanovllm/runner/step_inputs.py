@@ -107,12 +107,14 @@ class StepInputs:
             return np.concatenate([values, np.full(rows - len(values), fill, dtype=values.dtype)])
 
         num_seqs = len(step)
-        # A decode row computes one token, at position num_computed_tokens (its length - 1).
+        # A decode row computes one token, at position num_computed_tokens, over the KV before
+        # it (a sequence's last token; or a draft's token, in a block past the last one's).
         positions = np.array(step.num_computed_tokens, dtype=np.int64)
-        last_blocks = np.array([table[-1] for table in step.block_tables], dtype=np.int64)
+        blocks = np.array([table[p // self.block_size] for table, p
+                           in zip(step.block_tables, step.num_computed_tokens)], dtype=np.int64)
         context_lens = (positions + 1).astype(np.int32)
         input_ids = np.array(step.token_ids, dtype=np.int64)
-        slots = last_blocks * self.block_size + positions % self.block_size
+        slots = blocks * self.block_size + positions % self.block_size
         host = {"input_ids": padded(input_ids, 0), "positions": padded(positions, 0),
                 "slot_mapping": padded(slots, -1), "context_lens": padded(context_lens, 0)}
         if self.decode_order:
