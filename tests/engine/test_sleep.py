@@ -102,18 +102,18 @@ def test_sleep_cycles_reuse_the_packed_buffers(tiny_model, prompts):
         llm.wake_up()
         llm.update_weights(state_dict)
         assert tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False)) == before
-        weights, kv = runner.packed["weights"].buffer, runner.packed["kv_cache"].buffer
+        packed = runner.sleeper.packed
+        weights, kv = packed["weights"].buffer, packed["kv_cache"].buffer
         assert {p.untyped_storage().data_ptr() for p in params} == {weights.flat.data_ptr()}
         assert runner.kv_cache.untyped_storage().data_ptr() == kv.flat.data_ptr()
         for level in (1, 1, 2):
             llm.sleep(level)
             assert kv.flat.untyped_storage().nbytes() == 0
             assert (weights.flat.untyped_storage().nbytes() == 0) == (level == 2)
-            assert runner.host_weights is None  # on the CPU the weights stay where they are
+            assert runner.sleeper.host_weights is None  # on the CPU the weights stay where they are
             llm.wake_up()
             assert not runner.kv_cache.any()  # the pool comes back zeroed
             if level == 2:
                 llm.update_weights(state_dict)
-            assert runner.packed["weights"].buffer is weights
-            assert runner.packed["kv_cache"].buffer is kv
+            assert packed["weights"].buffer is weights and packed["kv_cache"].buffer is kv
             assert tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False)) == before
