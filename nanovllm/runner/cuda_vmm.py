@@ -89,6 +89,7 @@ class VirtualMemory:
         self.device, self.nbytes = device, nbytes
         self.address: int | None = None
         self.handle: int | None = None
+        torch.cuda.synchronize(device)  # also makes the device's context current on this thread
         self.prop = _AllocationProp(type=_PINNED, location=_Location(_ON_DEVICE, device.index))
         granularity = ctypes.c_size_t()
         _check(_driver().cuMemGetAllocationGranularity(ctypes.byref(granularity),
@@ -107,11 +108,15 @@ class VirtualMemory:
 
     def map(self):
         assert self.handle is None, "already mapped"
+        torch.cuda.synchronize(self.device)  # the device's context current on this thread
         handle = ctypes.c_uint64()
         _check(_driver().cuMemCreate(ctypes.byref(handle), self.size, ctypes.byref(self.prop), 0),
                "cuMemCreate")
+        result = _driver().cuMemMap(self.address, self.size, 0, handle.value, 0)
+        if result != 0:
+            _driver().cuMemRelease(handle.value)
+        _check(result, "cuMemMap")
         self.handle = handle.value
-        _check(_driver().cuMemMap(self.address, self.size, 0, self.handle, 0), "cuMemMap")
         access = _AccessDesc(location=self.prop.location, flags=_READ_WRITE)
         _check(_driver().cuMemSetAccess(self.address, self.size, ctypes.byref(access), 1),
                "cuMemSetAccess")

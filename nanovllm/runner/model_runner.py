@@ -21,7 +21,7 @@ from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.sampler_graphs import SamplerGraphs
 from nanovllm.runner.sampling_metadata import build_sampling_metadata, every_control
 from nanovllm.runner.shm_channel import ShmChannel, WorkerEnd
-from nanovllm.runner.sleep import HostCopy, Packed
+from nanovllm.runner.sleep import Sleeper
 from nanovllm.runner.step_inputs import StepInputs
 from nanovllm.sampling.sampler import Sampler, SamplerOutput, to_host
 from nanovllm.step import ScheduledStep, StepOutput, StepSampling
@@ -105,12 +105,9 @@ class ModelRunner:
                                  dequant_workspace=self._dequant_workspace())
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs = self.sampler_graphs = None
-        self.packed: dict[str, Packed] = {}  # by wake_up tag, from the first sleep on
-        self.asleep: set[str] = set()  # the tags whose memory sleep() freed
-        self.host_weights: HostCopy | None = None  # the weights' bytes, kept by sleep(level=1)
+        self.sleeper = Sleeper(self.device)  # what sleep() freed, by wake_up tag
         # A step `run` left at its logits for sample_masked: (logits, sampling, seq_ids, prompt).
         self.masked_step: tuple | None = None
-        self.moved = False  # a restored storage came back at another address
         if is_cuda and not config.enforce_eager:
             self._capture_graphs()
             if rank == 0:
@@ -153,8 +150,8 @@ class ModelRunner:
             if graphs is not None:
                 graphs.release()
         self.graphs = self.sampler_graphs = None
-        self._free_host_weights()
-        self.packed = {}
+        self.sleeper.free()
+        self.sleeper = Sleeper(self.device)
         self.model = self.kv_cache = self.kv_scales = self.inputs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -183,22 +180,12 @@ class ModelRunner:
         """Free the KV pool; the weights' bytes to the host copy (level 1) or discarded (level 2).
         On the CPU, level 1 leaves the weights, already in host memory."""
         cuda = self.device.type == "cuda"
-        groups = {"kv_cache": self._kv_tensors()}
+        kv = [t for t in (self.kv_cache, self.kv_scales, self.inputs.dequant_workspace)
+              if t is not None]
+        groups = {"kv_cache": kv}
         if level == 2 or cuda:
             groups["weights"] = list(self.model.parameters())
-        for tag, tensors in groups.items():
-            if tag not in self.packed:
-                self.packed[tag] = Packed(tensors)
-        if "weights" in groups and level == 1:
-            if self.host_weights is None:  # allocated (and pinned) once, refilled by every sleep
-                self.host_weights = HostCopy(self.packed["weights"].nbytes, pin=cuda)
-            self.packed["weights"].save(self.host_weights.flat)
-        else:
-            self._free_host_weights()
-        self._synchronize()  # the copies have landed: free the memory
-        for tag in groups:
-            self.packed[tag].release()
-        self.asleep |= set(groups)
+        self.sleeper.sleep(groups, keep_weights=level == 1)
         if self.sampler_graphs is not None:
             self.sampler_graphs.release()  # captured again as their shapes recur
         if cuda:
@@ -208,40 +195,16 @@ class ModelRunner:
         """Restore what sleep freed under `tags` ("weights", "kv_cache"): the weights from the host
         copy (kept for the next sleep), the KV pool zeroed. Once both are back, capture the graphs
         again if anything came back at another address."""
-        for tag in [tag for tag in tags if tag in self.asleep]:
-            packed = self.packed[tag]
-            if not packed.restore():
-                self.moved = True
-                if tag == "kv_cache":
-                    self._bind_kv_cache()  # the layers' views of the moved pool
-            if tag == "kv_cache":
-                packed.zero_()
-            elif self.host_weights is not None:
-                packed.load(self.host_weights.flat)
-            self.asleep.discard(tag)
-        self._synchronize()
-        if self.graphs is not None and not self.asleep and self.moved:
+        if "kv_cache" in self.sleeper.wake(tags):
+            self._bind_kv_cache()  # the layers' views of the moved pool
+        if self.sleeper.asleep or not self.sleeper.moved:
+            return
+        self.sleeper.moved = False
+        if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
             torch.cuda.empty_cache()
             self._capture_graphs()
-        if not self.asleep:
-            self.moved = False
-
-    def _kv_tensors(self) -> list[torch.Tensor]:
-        """What the KV tag frees: the pool, its fp8 scales, the dequantization workspace."""
-        return [t for t in (self.kv_cache, self.kv_scales, self.inputs.dequant_workspace)
-                if t is not None]
-
-    def _free_host_weights(self):
-        if self.host_weights is not None:
-            self._synchronize()
-            self.host_weights.free()
-            self.host_weights = None
-
-    def _synchronize(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _dequant_workspace(self) -> torch.Tensor | None:
         """[2, tokens, kv_heads, head_dim]: where prefill dequantizes an fp8 prefix (a context, or

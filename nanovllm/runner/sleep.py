@@ -105,6 +105,65 @@ class Packed:
         self.buffer.flat.zero_()
 
 
+class Sleeper:
+    """What sleep freed, by wake_up tag ("weights", "kv_cache"): each tag's tensors Packed at its
+    first sleep. The weights' bytes go to one HostCopy, allocated by the first sleep that keeps
+    them and refilled by each later one; wake_up keeps it; a sleep that discards the weights
+    (level 2) frees it, and so does free()."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.packed: dict[str, Packed] = {}
+        self.asleep: set[str] = set()
+        self.host_weights: HostCopy | None = None
+        self.moved = False  # a tag came back at another address since all were last awake
+
+    def sleep(self, groups: dict[str, list[torch.Tensor]], keep_weights: bool):
+        """Free each tag's tensors; keep_weights: first copy the "weights" bytes to the host."""
+        for tag, tensors in groups.items():
+            if tag not in self.packed:
+                self.packed[tag] = Packed(tensors)
+        if "weights" in groups and keep_weights:
+            if self.host_weights is None:
+                self.host_weights = HostCopy(self.packed["weights"].nbytes,
+                                             pin=self.device.type == "cuda")
+            self.packed["weights"].save(self.host_weights.flat)
+        else:
+            self.free()
+        self._synchronize()  # the copies have landed: free the memory
+        for tag in groups:
+            self.packed[tag].release()
+        self.asleep |= set(groups)
+
+    def wake(self, tags: list[str]) -> set[str]:
+        """Restore the asleep among `tags`, the weights from the host copy (if kept) and the rest
+        zeroed; returns the tags whose tensors came back at other addresses."""
+        moved = set()
+        for tag in [tag for tag in tags if tag in self.asleep]:
+            packed = self.packed[tag]
+            if not packed.restore():
+                moved.add(tag)
+            if tag != "weights":
+                packed.zero_()
+            elif self.host_weights is not None:
+                packed.load(self.host_weights.flat)
+            self.asleep.discard(tag)
+        self._synchronize()
+        self.moved |= bool(moved)
+        return moved
+
+    def free(self):
+        """Free the host copy of the weights."""
+        if self.host_weights is not None:
+            self._synchronize()
+            self.host_weights.free()
+            self.host_weights = None
+
+    def _synchronize(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
 class HostCopy:
     """`flat` [nbytes] uint8 in host memory; pin: page-locked by registering it with CUDA (not
     through the caching host allocator, which would round it up to a power of two and keep it
