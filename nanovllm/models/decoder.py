@@ -22,7 +22,7 @@ from nanovllm.layers.linear import (
     RowParallelLinear,
     skinny_applies,
 )
-from nanovllm.layers.rotary_embedding import get_rope
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,8 @@ class DecoderOptions:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str):
+    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str,
+                 rotary_emb: RotaryEmbedding):
         super().__init__()
         tp_size = torch.distributed.get_world_size()
         hidden = hf_config.hidden_size
@@ -47,7 +48,7 @@ class DecoderAttention(nn.Module):
                                           hf_config.num_key_value_heads, bias=options.qkv_bias)
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hidden,
                                         bias=options.o_bias)
-        self.rotary_emb = get_rope(self.head_dim, hf_config)
+        self.rotary_emb = rotary_emb  # one table for every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, attention_backend)
         self.qk_norm = options.qk_norm
@@ -118,9 +119,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str, mlp: nn.Module):
+    def __init__(self, hf_config, options: DecoderOptions, attention_backend: str, mlp: nn.Module,
+                 rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = DecoderAttention(hf_config, options, attention_backend)
+        self.self_attn = DecoderAttention(hf_config, options, attention_backend, rotary_emb)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
@@ -141,8 +143,10 @@ class DecoderModel(nn.Module):
                  make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        # The cos/sin table [max_position, head_dim] float32 is the same for every layer: one copy.
+        rotary_emb = get_rope(head_dim(hf_config), hf_config)
         self.layers = nn.ModuleList(
-            [DecoderLayer(hf_config, options, attention_backend, make_mlp(i))
+            [DecoderLayer(hf_config, options, attention_backend, make_mlp(i), rotary_emb)
              for i in range(hf_config.num_hidden_layers)])
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
 

@@ -21,7 +21,7 @@ from nanovllm.runner.cuda_graph import DecodeGraphs
 from nanovllm.runner.sampler_graphs import SamplerGraphs
 from nanovllm.runner.sampling_metadata import build_sampling_metadata, every_control
 from nanovllm.runner.shm_channel import ShmChannel, WorkerEnd
-from nanovllm.runner.sleep import Offloaded
+from nanovllm.runner.sleep import Sleeper
 from nanovllm.runner.step_inputs import StepInputs
 from nanovllm.sampling.sampler import Sampler, SamplerOutput, to_host
 from nanovllm.step import ScheduledStep, StepOutput, StepSampling
@@ -105,10 +105,9 @@ class ModelRunner:
                                  dequant_workspace=self._dequant_workspace())
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs = self.sampler_graphs = None
-        self.offloaded: dict[str, Offloaded] = {}  # what sleep() freed, by wake_up tag
+        self.sleeper = Sleeper(self.device)  # what sleep() freed, by wake_up tag
         # A step `run` left at its logits for sample_masked: (logits, sampling, seq_ids, prompt).
         self.masked_step: tuple | None = None
-        self.moved = False  # a restored storage came back at another address
         if is_cuda and not config.enforce_eager:
             self._capture_graphs()
             if rank == 0:
@@ -151,6 +150,8 @@ class ModelRunner:
             if graphs is not None:
                 graphs.release()
         self.graphs = self.sampler_graphs = None
+        self.sleeper.free()
+        self.sleeper = Sleeper(self.device)
         self.model = self.kv_cache = self.kv_scales = self.inputs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -176,30 +177,34 @@ class ModelRunner:
             yield name, tensor
 
     def sleep(self, level: int):
-        """Free the KV pool; weights to pinned host memory (level 1) or discarded (level 2)."""
-        weights = list(self.model.parameters()) if level == 2 or self.device.type == "cuda" else []
-        pools = [t for t in (self.kv_cache, self.kv_scales) if t is not None]
-        # Freed weights first, so that waking allocates in start-up's order: weights, then KV.
-        if weights:
-            self.offloaded["weights"] = Offloaded(weights, keep=level == 1)
-        self.offloaded["kv_cache"] = Offloaded(pools, keep=False)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        """Free the KV pool; the weights' bytes to the host copy (level 1) or discarded (level 2).
+        On the CPU, level 1 leaves the weights, already in host memory."""
+        cuda = self.device.type == "cuda"
+        kv = [t for t in (self.kv_cache, self.kv_scales, self.inputs.dequant_workspace)
+              if t is not None]
+        groups = {"kv_cache": kv}
+        if level == 2 or cuda:
+            groups["weights"] = list(self.model.parameters())
+        self.sleeper.sleep(groups, keep_weights=level == 1)
+        if self.sampler_graphs is not None:
+            self.sampler_graphs.release()  # captured again as their shapes recur
+        if cuda:
             torch.cuda.empty_cache()
 
     def wake_up(self, tags: list[str]):
-        """Restore what sleep freed under `tags` ("weights", "kv_cache"); once both are back,
-        capture the graphs again unless every address is unchanged."""
-        for tag in tags:
-            if tag in self.offloaded:
-                self.moved |= not self.offloaded.pop(tag).restore()
-        if self.graphs is not None and not self.offloaded and self.moved:
+        """Restore what sleep freed under `tags` ("weights", "kv_cache"): the weights from the host
+        copy (kept for the next sleep), the KV pool zeroed. Once both are back, capture the graphs
+        again if anything came back at another address."""
+        if "kv_cache" in self.sleeper.wake(tags):
+            self._bind_kv_cache()  # the layers' views of the moved pool
+        if self.sleeper.asleep or not self.sleeper.moved:
+            return
+        self.sleeper.moved = False
+        if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
             torch.cuda.empty_cache()
             self._capture_graphs()
-        if not self.offloaded:
-            self.moved = False
 
     def _dequant_workspace(self) -> torch.Tensor | None:
         """[2, tokens, kv_heads, head_dim]: where prefill dequantizes an fp8 prefix (a context, or
@@ -227,14 +232,19 @@ class ModelRunner:
         # kv_heads before block_size: a tile reads its KV head's scales as one contiguous run.
         self.kv_scales = torch.empty(*shape, self.num_kv_heads, self.block_size,
                                      dtype=torch.float32, device=self.device) if fp8 else None
+        self._bind_kv_cache()
+        return num_blocks
+
+    def _bind_kv_cache(self):
+        """Give each attention layer its views of the pool (and of the fp8 scales)."""
+        num_blocks = self.kv_cache.shape[2]
         attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         for i, layer in enumerate(attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            if fp8:
+            if self.kv_scales is not None:  # fp8
                 layer.v_cache = layer.v_cache.view(num_blocks, self.num_kv_heads, self.head_dim,
                                                    self.block_size)
                 layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
-        return num_blocks
 
     def _num_kv_blocks(self, cache_dtype: torch.dtype) -> int:
         """The pool's size: as configured, else what memory allows; the smallest over the ranks."""

@@ -14,7 +14,10 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def weight_bytes(llm) -> int:
-    return sum(p.untyped_storage().nbytes() for p in llm.llm_engine.model_runner.model.parameters())
+    """The bytes of the weights' storages (one shared storage once they are packed)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in llm.llm_engine.model_runner.model.parameters()}
+    return sum(storages.values())
 
 
 @pytest.mark.cpu_suite
@@ -84,3 +87,33 @@ def test_wake_up_by_tags_in_vllms_rl_order(tiny_model, prompts):
         assert llm.llm_engine.model_runner.kv_cache.untyped_storage().nbytes() == 0
         llm.wake_up(tags=["kv_cache"])
         assert tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False)) == before
+
+
+@pytest.mark.cpu_suite
+def test_sleep_cycles_reuse_the_packed_buffers(tiny_model, prompts):
+    """Each group (weights, KV pool) moves into one flat buffer at its first wake; later cycles
+    free and refill that same buffer, and every cycle leaves generation unchanged."""
+    state_dict = _hf_model(tiny_model).state_dict()
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=32) as llm:
+        runner = llm.llm_engine.model_runner
+        before = tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False))
+        params = list(runner.model.parameters())
+        llm.sleep(2)
+        llm.wake_up()
+        llm.update_weights(state_dict)
+        assert tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False)) == before
+        packed = runner.sleeper.packed
+        weights, kv = packed["weights"].buffer, packed["kv_cache"].buffer
+        assert {p.untyped_storage().data_ptr() for p in params} == {weights.flat.data_ptr()}
+        assert runner.kv_cache.untyped_storage().data_ptr() == kv.flat.data_ptr()
+        for level in (1, 1, 2):
+            llm.sleep(level)
+            assert kv.flat.untyped_storage().nbytes() == 0
+            assert (weights.flat.untyped_storage().nbytes() == 0) == (level == 2)
+            assert runner.sleeper.host_weights is None  # on the CPU the weights stay where they are
+            llm.wake_up()
+            assert not runner.kv_cache.any()  # the pool comes back zeroed
+            if level == 2:
+                llm.update_weights(state_dict)
+            assert packed["weights"].buffer is weights and packed["kv_cache"].buffer is kv
+            assert tokens(llm.generate(prompts[5:7], GREEDY, use_tqdm=False)) == before
