@@ -1,6 +1,7 @@
 """HTTP serving against offline `generate`, in one run on one engine: upstream nano-vllm's bench.py
 workload (256 requests, 100-1,024 random tokens in and out, temperature 0.6, ignore_eos) sent by N
-concurrent streaming clients to the OpenAI-compatible server, then run by LLM.generate.
+concurrent streaming clients (in 8 processes) to the OpenAI-compatible server, then run by
+LLM.generate.
 
     python -m benchmarks.serve                      # 256 requests, 64 clients (a GPU)
     python -m benchmarks.serve --num-requests 8 --clients 4 --max-input-len 128 \\
@@ -12,6 +13,7 @@ inter-token latency (p50, p99), measured by the clients.
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import time
 
@@ -53,10 +55,10 @@ async def one_request(aclient, prompt, params, ttfts: list, itls: list) -> int:
     return num_tokens
 
 
-async def run_clients(url: str, prompts, params, num_clients: int):
-    """N clients, each sending the next request of the workload when its last one completes."""
+async def run_clients(url: str, work: list, num_clients: int):
+    """N clients, each sending the next request of `work` when its last one completes."""
     ttfts, itls = [], []
-    queue = list(zip(prompts, params))[::-1]
+    queue = work[::-1]
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0,
                                   timeout=3600) as aclient:
 
@@ -67,9 +69,15 @@ async def run_clients(url: str, prompts, params, num_clients: int):
                 tokens += await one_request(aclient, prompt, sp, ttfts, itls)
             return tokens
 
-        start = time.perf_counter()
         tokens = sum(await asyncio.gather(*(client() for _ in range(num_clients))))
-        return tokens, time.perf_counter() - start, ttfts, itls
+        return tokens, ttfts, itls
+
+
+def client_process(args) -> tuple[int, list, list]:
+    """One client process: its share of the requests by its share of the clients."""
+    url, work, num_clients, start_at = args
+    time.sleep(max(0.0, start_at - time.time()))  # every process starts sending at once
+    return asyncio.run(run_clients(url, work, num_clients))
 
 
 def workload(num_requests: int, max_input_len: int, max_output_len: int):
@@ -87,10 +95,23 @@ def offline(llm: LLM, prompts, params) -> tuple[int, float]:
     return sum(p.max_tokens for p in params), time.perf_counter() - start
 
 
-def served(llm: LLM, prompts, params, num_clients: int):
+def served(llm: LLM, prompts, params, num_clients: int, num_processes: int):
+    """The workload through the server, its clients spread over processes (round robin) so that
+    parsing the streams does not take the server's interpreter lock."""
     llm.reset_prefix_cache()
+    work = list(zip(prompts, params))
+    num_processes = min(num_processes, num_clients)
     with ServerThread(llm, MODEL_NAME) as server:
-        return asyncio.run(run_clients(server.url, prompts, params, num_clients))
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(num_processes) as pool:
+            start_at = time.time() + 5.0  # the processes import openai meanwhile
+            shares = [(server.url, work[i::num_processes],
+                       num_clients // num_processes + (i < num_clients % num_processes), start_at)
+                      for i in range(num_processes)]
+            results = pool.map(client_process, shares)
+            seconds = time.time() - start_at
+    tokens = sum(r[0] for r in results)
+    return tokens, seconds, [t for r in results for t in r[1]], [t for r in results for t in r[2]]
 
 
 def parse_args():
@@ -101,6 +122,7 @@ def parse_args():
                                       "SmolLM2-135M-shaped one)")
     add("--num-requests", type=int, default=256)
     add("--clients", type=int, default=64, help="concurrent HTTP clients")
+    add("--client-processes", type=int, default=8, help="processes the clients are spread over")
     add("--max-input-len", type=int, default=1024, help="prompts cut to this many tokens")
     add("--max-output-len", type=int, default=1024, help="outputs cut to this many tokens")
     add("--max-model-len", type=int, default=4096)
@@ -123,7 +145,8 @@ def main():
              enforce_eager=args.enforce_eager) as llm:
         llm.generate([prompts[0][:8]], params[0], use_tqdm=False)  # warm-up
         offline_tokens, offline_seconds = offline(llm, prompts, params)
-        tokens, seconds, ttfts, itls = served(llm, prompts, params, args.clients)
+        tokens, seconds, ttfts, itls = served(llm, prompts, params, args.clients,
+                                              args.client_processes)
     assert tokens == offline_tokens, (tokens, offline_tokens)
     offline_rate, served_rate = offline_tokens / offline_seconds, tokens / seconds
     print(f"{args.num_requests} requests, {tokens} output tokens, {args.clients} clients")

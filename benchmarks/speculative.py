@@ -1,6 +1,6 @@
 """N-gram speculative decoding against plain decoding, same run, on the real SmolLM2-135M-Instruct:
-a copy-heavy workload (edit a given text: most of the answer repeats it) and a no-copy one
-(answers written from scratch), greedy, single stream and a batch of 64.
+a copy-heavy workload (edit a given text of about 150 words: most of the answer repeats it) and
+a no-copy one (answers written from scratch), greedy, single stream and a batch of 64.
 
     python -m benchmarks.speculative                          # SmolLM2 from the nanovllm cache
     python -m benchmarks.speculative --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --k 4
@@ -45,9 +45,10 @@ QUESTIONS = ["Write a short poem about the sea.", "Explain how a rainbow forms."
 
 
 def workload(kind: str, count: int) -> list[list[dict]]:
-    if kind == "copy":
+    if kind == "copy":  # two passages a prompt: about 150 words to repeat
         return [[{"role": "user", "content": f"{EDITS[i % len(EDITS)]}\n\n"
-                                             f"{PASSAGES[i % len(PASSAGES)]}"}]
+                                             f"{PASSAGES[i % len(PASSAGES)]}\n\n"
+                                             f"{PASSAGES[(i + 1) % len(PASSAGES)]}"}]
                 for i in range(count)]
     return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(count)]
 
