@@ -1,9 +1,14 @@
 """Structured outputs' cost per decode step: a grammar on every row against none, same run, at
-batch 1, 16 and 64. Each row generates exactly --tokens tokens (the grammar, [a-z]{N}, ends just
-there; the free rows ignore EOS), so a step's time is the run's time over N.
+batch 1, 16 and 64. The grammar rows follow [a-z]{N}; the free rows then generate exactly as many
+tokens as each grammar row did (ignore_eos), so both runs take the same steps, and a step's time is
+a run's time over its longest row.
 
-    python -m benchmarks.structured --model Qwen/Qwen3-0.6B      # on a GPU
+    python -m benchmarks.structured --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf   # a GPU
     python -m benchmarks.structured                               # the tiny random model, CPU
+
+Use a checkpoint whose tokenizer covers its vocabulary: xgrammar treats ids without a token as
+special tokens, and each accept_token scans them (the random benchmark checkpoints pad a 320-token
+byte tokenizer to their vocabulary).
 """
 
 import argparse
@@ -13,18 +18,24 @@ import time
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 
 
-def ms_a_step(llm: LLM, batch: int, tokens: int, grammar: bool) -> float:
-    """Mean milliseconds per token position of `batch` rows of `tokens` tokens each."""
-    spec = StructuredOutputsParams(regex=f"[a-z]{{{tokens}}}") if grammar else None
-    params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=not grammar,
-                            structured_outputs=spec)
-    prompts = [[1 + (row % 200), 2, 3, 4] for row in range(batch)]
-    llm.generate(prompts[:1], params, use_tqdm=False)  # compiles the grammar, warms the paths
+def timed(llm: LLM, prompts, params) -> tuple[float, list[int]]:
+    """Seconds of one generate call (after a warm-up of one prompt), and each row's tokens."""
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == tokens for o in outputs)
-    return seconds / tokens * 1e3
+    return time.perf_counter() - start, [len(o.outputs[0].token_ids) for o in outputs]
+
+
+def ms_a_step(llm: LLM, batch: int, letters: int) -> tuple[float, float]:
+    """Milliseconds a step with and without a grammar on each of `batch` rows."""
+    prompts = [[1 + (row % 200), 2, 3, 4] for row in range(batch)]
+    spec = StructuredOutputsParams(regex=f"[a-z]{{{letters}}}")
+    grammar = SamplingParams(temperature=1.0, max_tokens=letters + 1, structured_outputs=spec)
+    seconds, lengths = timed(llm, prompts, [grammar] * batch)
+    free = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    free_seconds, free_lengths = timed(llm, prompts, free)
+    assert free_lengths == lengths
+    return free_seconds / max(lengths) * 1e3, seconds / max(lengths) * 1e3
 
 
 def main():
@@ -43,8 +54,7 @@ def main():
         with LLM(model, max_num_seqs=max(args.batches), max_model_len=args.tokens + 64) as llm:
             print(f"{'batch':>5} {'no grammar ms':>14} {'grammar ms':>11} {'ratio':>6}")
             for batch in args.batches:
-                free = ms_a_step(llm, batch, args.tokens, grammar=False)
-                constrained = ms_a_step(llm, batch, args.tokens, grammar=True)
+                free, constrained = ms_a_step(llm, batch, args.tokens)
                 print(f"{batch:>5} {free:>14.3f} {constrained:>11.3f} {constrained / free:>6.2f}")
 
 

@@ -30,6 +30,7 @@ def _any(value) -> bool:
 
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16  # a verify step takes 1 + k rows per sequence
+DISABLE_BY_BATCH_SIZE = 32  # tuned: BENCHMARKS.md, speculative decoding
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    # A decode step of more sequences than this verifies no draft: it keeps the overlap, which
+    # pays more than drafts there (docs/benchmarks: BENCHMARKS.md, speculative decoding).
+    disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def of(cls, spec) -> "SpeculativeConfig":
@@ -51,7 +55,8 @@ class SpeculativeConfig:
         if not isinstance(spec, dict):
             raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
         spec = {key: value for key, value in spec.items() if value is not None}
-        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size")
         for key in spec:
             if key not in known:
                 raise ValueError(f"speculative_config key {key!r} is not supported; the keys "
@@ -66,15 +71,17 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in spec:
             raise ValueError("speculative_config needs num_speculative_tokens")
         k = spec["num_speculative_tokens"]
+        batch = spec.get("disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
         for name, value, low, high in (("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS),
                                        ("prompt_lookup_min", lookup_min, 1, None),
-                                       ("prompt_lookup_max", lookup_max, lookup_min, None)):
+                                       ("prompt_lookup_max", lookup_max, lookup_min, None),
+                                       ("disable_by_batch_size", batch, 1, None)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"speculative_config {name} must be an int, got {value!r}")
             if value < low or (high is not None and value > high):
                 bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"speculative_config {name}={value} must be {bound}")
-        return cls(k, lookup_max, lookup_min, method)
+        return cls(k, lookup_max, lookup_min, method, batch)
 
 
 # vLLM options that change nothing here: the values this engine honours, and why others fail.

@@ -118,10 +118,12 @@ class LLMEngine(WeightOps, Postprocess):
             self.eos_token_ids = eos_token_ids(self.tokenizer, config)
             self.grammars = Grammars(self.tokenizer, config.hf_config.vocab_size,
                                      self.eos_token_ids)
+            spec = config.speculative_config
             self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                        config.max_model_len, self.model_runner.num_kvcache_blocks,
                                        config.kvcache_block_size, self.eos_token_ids,
-                                       config.enable_prefix_caching)
+                                       config.enable_prefix_caching,
+                                       spec.disable_by_batch_size if spec is not None else None)
             self.model_config = ModelConfig.of(config)
             self.model_executor = ModelExecutor(self)
         except WorkerDiedError as error:

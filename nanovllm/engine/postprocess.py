@@ -70,17 +70,19 @@ class Postprocess:
         self.scheduler.register_blocks(step)
         return finished
 
-    @staticmethod
-    def _decides_drafts(step: CommittedStep) -> bool:
+    def _decides_drafts(self, step: CommittedStep) -> bool:
         """The tokens of `step` decide the next step's drafts, so it waits for them: a verify
-        step, or a prefill that samples for sequences that draft (from their prompts)."""
+        step, or a prefill that samples for sequences that may draft (from their prompts)."""
         if step.is_prefill:
-            return any(seq.drafter is not None for seq in step.sampled)
+            return (len(self.scheduler.running) <= self.scheduler.max_draft_batch
+                    and any(seq.drafter is not None for seq in step.sampled))
         return any(step.drafts)
 
     def _propose(self, seqs: list[Sequence]):
         """Each live sequence's draft for its known tokens; a draft makes the next step wait for
         the step in flight (its tokens come before the draft's)."""
+        if len(self.scheduler.running) > self.scheduler.max_draft_batch:
+            return  # the next decode step verifies no draft: it keeps the overlap
         for seq in seqs:
             if seq.drafter is not None and not seq.is_finished:
                 seq.draft = seq.drafter.propose(seq.token_ids, seq.num_tokens - seq.num_inflight)

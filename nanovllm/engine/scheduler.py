@@ -147,8 +147,10 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, bloc
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  num_blocks: int, block_size: int, eos_token_ids: set[int],
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, max_draft_batch: int | None = None):
         self.max_num_seqs = max_num_seqs
+        # A decode step of more sequences verifies no draft (SpeculativeConfig).
+        self.max_draft_batch = max_num_seqs if max_draft_batch is None else max_draft_batch
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -244,14 +246,15 @@ class Scheduler:
         return scheduled
 
     def _take_drafts(self, scheduled: list[Sequence]):
-        """Give the scheduled sequences their drafts (speculation), each cut to the rows left
-        under the step's limit, the sequence's max_tokens and max_model_len, and the free blocks
-        (a draft never preempts); a sequence with a token in flight drafts nothing (its draft
-        was proposed before that token)."""
+        """Give the scheduled sequences their drafts (speculation; none in a step of more than
+        max_draft_batch sequences), each cut to the rows left under the step's limit, the
+        sequence's max_tokens and max_model_len, and the free blocks (a draft never preempts);
+        a sequence with a token in flight drafts nothing (its draft was proposed before it)."""
         rows_left = min(self.max_num_seqs, self.max_num_batched_tokens) - len(scheduled)
         bm = self.block_manager
+        drafting = len(scheduled) <= self.max_draft_batch
         for seq in scheduled:
-            draft = seq.draft if not seq.num_inflight else []
+            draft = seq.draft if drafting and not seq.num_inflight else []
             limit = min(rows_left, seq.max_tokens - seq.num_completion_tokens - 1,
                         self.max_model_len - seq.num_tokens)
             draft = draft[:max(limit, 0)]

@@ -19,7 +19,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 
 def test_config_takes_vllms_keys_and_defaults():
     config = SpeculativeConfig.of({"method": "[ngram]", "num_speculative_tokens": 3})
-    assert config == SpeculativeConfig(3, 5, 5, "ngram")
+    assert config == SpeculativeConfig(3, 5, 5, "ngram", 32)
     assert SpeculativeConfig.of({"num_speculative_tokens": 2, "prompt_lookup_max": 4}) == \
         SpeculativeConfig(2, 4, 4)
     assert SpeculativeConfig.of({"num_speculative_tokens": 2, "prompt_lookup_min": 2}) == \
@@ -37,6 +37,8 @@ def test_config_takes_vllms_keys_and_defaults():
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, ValueError,
      "prompt_lookup_min=0 must be >= 1"),
     ({"num_speculative_tokens": "4"}, TypeError, "num_speculative_tokens must be an int"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, ValueError,
+     "disable_by_batch_size=0 must be >= 1"),
     ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, ValueError,
      "key 'draft_tensor_parallel_size' is not supported"),
     ("ngram", TypeError, "speculative_config must be a dict, got str"),
@@ -160,7 +162,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_model):
     scipy_stats = pytest.importorskip("scipy.stats")
     prompt = [20, 217, 11, 12, 13, 14]
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1,
-            "prompt_lookup_min": 1}
+            "prompt_lookup_min": 1, "disable_by_batch_size": 100}
     params = SamplingParams(temperature=0.5, max_tokens=3, ignore_eos=True)
     samples = []
     # 100 at a time: the verify rows fit beside them under max_num_seqs (a row each).
@@ -238,3 +240,17 @@ def test_tp2_verify_steps_equal_transformers(tiny_model, prompts, hf_reference):
         outputs = llm.generate(loopy_prompts(prompts), greedy, use_tqdm=False)
         assert llm.llm_engine.num_accepted_tokens > 0
     assert [o.outputs[0].token_ids for o in outputs[:len(prompts)]] == hf_reference
+
+
+def test_no_drafts_past_disable_by_batch_size(tiny_model):
+    """A decode step of more sequences than disable_by_batch_size verifies nothing and keeps
+    the overlap; at or under it, drafts are verified."""
+    loopy = [[7, 8, 9, 10] * 6, [3, 1, 4, 1, 5, 9, 2, 6] * 3 + [3, 1, 4], [5, 6] * 10]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    spec = {**NGRAM, "disable_by_batch_size": 2}
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64,
+             speculative_config=spec) as llm:
+        llm.generate(loopy, greedy, use_tqdm=False)
+        assert llm.llm_engine.num_drafts == 0
+        llm.generate(loopy[:2], greedy, use_tqdm=False)
+        assert llm.llm_engine.num_drafts > 0
