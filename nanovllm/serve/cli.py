@@ -3,6 +3,7 @@ engine options are LLM's own, as flags built from the Config dataclass (names an
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import types
@@ -13,10 +14,24 @@ DEFAULT_PORT = 8000
 API_KEY_ENV = "NANOVLLM_API_KEY"
 
 
-def flag_type(annotation) -> type:
-    """The argparse type of a Config field: int, float, str or bool (`X | None` is X)."""
+def json_object(text: str) -> dict:
+    """A flag's JSON object (vLLM's `--speculative-config '{"method": "ngram", ...}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
+    return value
+
+
+def flag_type(annotation):
+    """The argparse type of a Config field: int, float, str or bool (`X | None` is X); a field
+    that takes a dict takes a JSON object."""
     if isinstance(annotation, types.UnionType):
         kinds = [a for a in annotation.__args__ if a is not type(None)]
+        if dict in kinds:
+            return json_object
         if len(kinds) == 1:
             annotation = kinds[0]
     if annotation in (int, float, str, bool):
@@ -38,8 +53,9 @@ def add_engine_options(parser: argparse.ArgumentParser):
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help)
         else:
+            metavar = "JSON" if kind is json_object else kind.__name__.upper()
             group.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
-                               metavar=kind.__name__.upper(), help=help)
+                               metavar=metavar, help=help)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser):

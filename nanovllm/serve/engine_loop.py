@@ -4,13 +4,14 @@ steps, and hands each request's new tokens to its handler's asyncio queue."""
 import asyncio
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 from nanovllm.engine.outputs import stream_outputs
 from nanovllm.engine.requests import Request
 from nanovllm.engine.sequence import Sequence
 
+NOTHING = object()  # RequestStream.held: no item held
 IDLE_WAIT_SECONDS = 1.0  # an idle loop wakes on a submission, or after this to check for stop
 
 
@@ -28,6 +29,24 @@ class ChoiceDelta:
     # and, for each but the first, {token_id: logprob} (the prompt token first, then the top k).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float]] | None = None
+
+
+def merge_deltas(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
+    """Each choice's deltas (in order) as one: texts, token ids and logprobs joined; the last
+    one's finish; the first one's prompt logprobs. Choices in order of their first delta."""
+    merged: dict[int, ChoiceDelta] = {}
+    for delta in deltas:
+        into = merged.get(delta.index)
+        if into is None:
+            merged[delta.index] = replace(delta, token_ids=list(delta.token_ids), logprobs=(
+                None if delta.logprobs is None else list(delta.logprobs)))
+            continue
+        into.text += delta.text
+        into.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            into.logprobs = (into.logprobs or []) + delta.logprobs
+        into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
+    return list(merged.values())
 
 
 class EngineStopped(RuntimeError):
@@ -50,23 +69,33 @@ class RequestStream:
     prompt_of: list[int] = field(default_factory=list)
     choice_offsets: list[int] = field(default_factory=list)
     token_times: dict[int, float] = field(default_factory=dict)  # choice -> its last token's
+    held: object = NOTHING  # the end (None) or an error, queued behind deltas just merged
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.requests)
 
     async def next_deltas(self) -> list[ChoiceDelta]:
-        """The choices' next deltas; [] once all finished; raises EngineStopped if cut off."""
+        """The choices' next deltas, all that queued up merged by choice (a handler that falls
+        behind the steps sends fewer, larger chunks); [] once all finished; raises EngineStopped
+        if cut off."""
         if self.done:
             return []
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
+        item = self.held if self.held is not NOTHING else await self.queue.get()
+        self.held = NOTHING
+        if isinstance(item, BaseException) or item is None:
             self.done = True
+            if item is None:
+                return []
             raise item
-        if item is None:
-            self.done = True
-            return []
-        return item
+        deltas = list(item)
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, BaseException) or item is None:
+                self.held = item  # after the deltas before it
+                break
+            deltas += item
+        return merge_deltas(deltas)
 
     def _put(self, item):
         try:

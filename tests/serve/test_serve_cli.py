@@ -44,6 +44,16 @@ def test_only_the_given_flags_reach_the_engine():
         serve_parser().parse_args(["m", "--no-such-option", "1"])
 
 
+def test_a_dict_option_takes_json():
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    args = serve_parser().parse_args(["m", "--speculative-config", spec])
+    assert engine_options(args) == {"speculative_config": {"method": "ngram",
+                                                           "num_speculative_tokens": 3}}
+    for bad in ("ngram", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            serve_parser().parse_args(["m", "--speculative-config", bad])
+
+
 def test_the_server_needs_a_tokenizer(tiny_model):
     from nanovllm import LLM
     from nanovllm.serve.app import build_app
