@@ -19,8 +19,9 @@ from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 
 
 def timed(llm: LLM, prompts, params) -> tuple[float, list[int]]:
-    """Seconds of one generate call (after a warm-up of one prompt), and each row's tokens."""
-    llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    """Seconds of one generate call after the same call as a warm-up (every kernel shape it
+    meets compiled), and each row's tokens."""
+    llm.generate(prompts, params, use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start, [len(o.outputs[0].token_ids) for o in outputs]

@@ -101,6 +101,8 @@ class ScheduledStep:
     prompt_logprobs: dict[int, PromptLogprobRows] = field(default_factory=dict)
     # Some row has a grammar: `run` computes the logits, `sample_masked` samples (every rank).
     masked: bool = False
+    # Decode: some sequence has several rows (a draft verified, its positions in a row).
+    verify: bool = False
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -117,7 +119,7 @@ class ScheduledStep:
         return ScheduledStep, (self.is_prefill, self.seq_ids, self.token_ids,
                                self.num_scheduled_tokens, self.num_computed_tokens,
                                self.block_tables, self.samples, self.forks, None,
-                               self.prompt_logprobs, self.masked)
+                               self.prompt_logprobs, self.masked, self.verify)
 
 
 @dataclass(slots=True)

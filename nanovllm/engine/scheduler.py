@@ -65,7 +65,7 @@ def decode_step(seqs: list[Sequence]) -> ScheduledStep:
                              [seq.num_cached_tokens for seq in seqs],
                              [seq.block_table for seq in seqs], [True] * n, {}, sampling,
                              masked=bool(sampling.grammar_rows))
-    step = ScheduledStep(False)
+    step = ScheduledStep(False, verify=True)
     for seq in seqs:
         table = seq.block_table
         step.token_ids.append(seq.token_ids[-1])

@@ -37,6 +37,9 @@ class AttentionMetadata:
     dequant_workspace: torch.Tensor | None = None
     dequant_groups: list[SeqGroup] | None = None
     padded: "PaddedBatch | None" = None  # the torch backend's, built by its first layer
+    # Decode rows of one sequence at consecutive positions (a verify step): every row's K/V is
+    # stored before any row attends, so no kernel may store and attend at once.
+    rows_share_sequences: bool = False
 
 
 def dequantizing_pays(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> bool:
@@ -207,7 +210,7 @@ class Attention(nn.Module):
     def decodes_from_qkv(self, qkv: torch.Tensor | SplitKSum, meta: AttentionMetadata) -> bool:
         # Its output feeds the skinny GEMM, which takes 16-bit rows only.
         return (self.attend is triton_attention and not meta.is_prefill
-                and qkv.dtype in (torch.bfloat16, torch.float16)
+                and not meta.rows_share_sequences and qkv.dtype in (torch.bfloat16, torch.float16)
                 and qkv.shape[0] <= SKINNY_MAX_ROWS and meta.slot_mapping is not None
                 and self.k_cache.numel() > 0)
 

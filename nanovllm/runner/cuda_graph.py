@@ -1,12 +1,15 @@
 """CUDA graphs of the decode forward (and its temperature sampling), one per batch-size bucket."""
 
+import dataclasses
+
 import numpy as np
 import torch
 
+from nanovllm.kernels.gemm.skinny import SKINNY_MAX_ROWS
 from nanovllm.layers.attention import AttentionMetadata
 from nanovllm.runner.host_to_device import ALIGNMENT, pinned, to_device_packed
 from nanovllm.sampling.sampler import Sampler, SamplingMetadata
-from nanovllm.step import ScheduledStep, StepSampling
+from nanovllm.step import ScheduledStep
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -28,10 +31,13 @@ def decode_inputs_bytes(max_num_seqs: int, max_blocks_per_seq: int) -> int:
 class DecodeGraphs:
     """Each bucket's graph reads its inputs where the step's packed copy puts them, in `inputs`.
     With a `sampler` (rank 0 of one GPU), each bucket also has a head graph: lm_head and the
-    one-pass temperature sampler, seeded like the eager one, writing `tokens`."""
+    one-pass temperature sampler, seeded like the eager one, writing `tokens`. With `verify`
+    (speculation), the buckets up to SKINNY_MAX_ROWS rows also have a graph for verify steps,
+    whose rows store their K/V before attending (AttentionMetadata.rows_share_sequences);
+    larger buckets take that path in their one graph."""
 
     def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int,
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, verify: bool = False):
         self.model = runner.model
         self.sampler = sampler
         self.buckets = batch_buckets(max_num_seqs)
@@ -42,6 +48,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.verify_outputs: dict[int, torch.Tensor] = {}
+        self.verify = verify
         # Outside the graphs' pool, so that the tokens stay valid as the next step's in-flight ones.
         self.tokens = None
         if sampler:
@@ -68,17 +77,23 @@ class DecodeGraphs:
                                      block_tables=rows["block_tables"],
                                      decode_order=rows.get("decode_order"))
             args = (rows["input_ids"], rows["positions"], meta)
-            self.model(*args)  # warm-up (autotuning) outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, self.pool):
-                self.outputs[bs] = self.model(*args)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs], self.outputs[bs] = self._capture(args)
             if self.sampler is not None:
                 self.head_graphs[bs] = self._capture_head(self.outputs[bs], rows["temperatures"],
                                                           rows["seed"])
+            if self.verify and bs <= SKINNY_MAX_ROWS:
+                meta = dataclasses.replace(meta, rows_share_sequences=True)
+                self.verify_graphs[bs], self.verify_outputs[bs] = self._capture(args[:2] + (meta,))
             torch.cuda.synchronize()
+
+    def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.model(*args)  # warm-up (autotuning) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            output = self.model(*args)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, output
 
     def _capture_head(self, hidden: torch.Tensor, temperatures: torch.Tensor,
                       seed: torch.Tensor) -> torch.cuda.CUDAGraph:
@@ -91,12 +106,17 @@ class DecodeGraphs:
 
     def replay(self, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:
         graph_bs = meta.context_lens.size(0)
+        if meta.rows_share_sequences and graph_bs in self.verify_graphs:
+            self.verify_graphs[graph_bs].replay()
+            return self.verify_outputs[graph_bs][:num_seqs]
         self.graphs[graph_bs].replay()
         return self.outputs[graph_bs][:num_seqs]
 
-    def samples(self, sampling: StepSampling | None) -> bool:
-        """Whether the head graph samples the step: on one GPU, every row by temperature alone."""
-        return self.sampler is not None and sampling.only_temperature
+    def samples(self, step: ScheduledStep) -> bool:
+        """Whether the head graph samples the step: on one GPU, every row by temperature alone,
+        after the main graph (a verify step's graph has no head graph)."""
+        return (self.sampler is not None and step.sampling.only_temperature
+                and not (step.verify and self.bucket(len(step)) in self.verify_graphs))
 
     def sample(self, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:
         """The tokens [num_seqs] of the step just replayed: a view valid until the next sample."""
@@ -107,4 +127,6 @@ class DecodeGraphs:
         self.graphs.clear()
         self.outputs.clear()
         self.head_graphs.clear()
+        self.verify_graphs.clear()
+        self.verify_outputs.clear()
         self.pool = None

@@ -118,7 +118,7 @@ class ModelRunner:
         # lm_head's gather eagerly every step; on one GPU the decode graphs sample too.
         sampler = self.sampler if self.inputs.decode_temperatures else None
         self.graphs = DecodeGraphs(self, self.config.max_num_seqs, self.max_blocks_per_seq,
-                                   sampler)
+                                   sampler, verify=self.config.speculative_config is not None)
 
     def _init_process_group(self, port: int):
         """Rendezvous over a TCP store; rank 0 watches the workers, so a dead one is no hang."""
@@ -312,7 +312,7 @@ class ModelRunner:
                 hidden = graphs.replay(meta, len(step))
             else:
                 hidden = self.model(input_ids, positions, meta)
-            if graphs is not None and graphs.samples(step.sampling):  # lm_head, sampler in graphs
+            if graphs is not None and graphs.samples(step):  # lm_head, sampler in graphs
                 tokens = graphs.sample(meta, len(step))
                 self.inputs.keep_sampled(tokens, step.seq_ids)
                 return PendingOutput(SamplerOutput(tokens), self.channel)

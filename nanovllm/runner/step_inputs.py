@@ -150,7 +150,8 @@ class StepInputs:
         meta = AttentionMetadata(is_prefill=False, slot_mapping=device["slot_mapping"],
                                  context_lens=device["context_lens"],
                                  block_tables=device["block_tables"],
-                                 decode_order=device.get("decode_order"))
+                                 decode_order=device.get("decode_order"),
+                                 rows_share_sequences=step.verify)
         input_ids = device["input_ids"]
         if in_order:
             input_ids[:num_seqs].copy_(self.last_tokens[:num_seqs])
