@@ -30,7 +30,7 @@ def _any(value) -> bool:
 
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16  # a verify step takes 1 + k rows per sequence
-DISABLE_BY_BATCH_SIZE = 32  # tuned: BENCHMARKS.md, speculative decoding
+DISABLE_BY_BATCH_SIZE = 32  # docs/architecture.md, speculative decoding (budget)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     method: str = "ngram"
     # A decode step of more sequences than this verifies no draft: it keeps the overlap, which
-    # pays more than drafts there (docs/benchmarks: BENCHMARKS.md, speculative decoding).
+    # pays more than drafts there (docs/architecture.md, speculative decoding).
     disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE
 
     @classmethod
@@ -317,6 +317,12 @@ class Config:
             if self.kvcache_block_size % 256:
                 raise ValueError("attention_backend='flash_attn' needs kvcache_block_size to be a "
                                  f"multiple of 256, got {self.kvcache_block_size}")
+
+    @property
+    def max_draft_batch(self) -> int | None:
+        """The most sequences a decode step verifying drafts may have; None: no speculation."""
+        spec = self.speculative_config
+        return None if spec is None else spec.disable_by_batch_size
 
     @property
     def torch_dtype(self):

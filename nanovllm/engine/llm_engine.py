@@ -96,10 +96,9 @@ class LLMEngine(WeightOps, Postprocess):
         self.num_prefilled_tokens = 0  # tokens computed by prefill steps, since start-up
         # Speculation, since start-up: drafts verified, their tokens, the tokens accepted.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        # Some sequence has a draft, or a verify step is in flight: the next step first ends the
-        # step in flight (drafts are verified only against known tokens).
-        self._drafts_pending = False
-        self._proposed = False  # the last postprocess proposed a draft
+        # _drafts_pending: some sequence has a draft, or a verify step is in flight, so the next
+        # step first ends the step in flight; _proposed: the last postprocess proposed a draft.
+        self._drafts_pending = self._proposed = False
         self.sleep_level = 0  # LLM.sleep's level while anything is asleep
         self.asleep: set[str] = set()  # of WAKE_TAGS: what sleep freed and wake_up has not restored
         self.unloaded_weights: set[str] = set()  # discarded by sleep(level=2), not reloaded yet
@@ -118,12 +117,10 @@ class LLMEngine(WeightOps, Postprocess):
             self.eos_token_ids = eos_token_ids(self.tokenizer, config)
             self.grammars = Grammars(self.tokenizer, config.hf_config.vocab_size,
                                      self.eos_token_ids)
-            spec = config.speculative_config
             self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                        config.max_model_len, self.model_runner.num_kvcache_blocks,
                                        config.kvcache_block_size, self.eos_token_ids,
-                                       config.enable_prefix_caching,
-                                       spec.disable_by_batch_size if spec is not None else None)
+                                       config.enable_prefix_caching, config.max_draft_batch)
             self.model_config = ModelConfig.of(config)
             self.model_executor = ModelExecutor(self)
         except WorkerDiedError as error:
