@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 
 from nanovllm.llm import conversation_prompts
 from nanovllm.serve.engine_loop import EngineLoop, EngineStopped, RequestStream
@@ -84,17 +85,31 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
     return app
 
 
+class Guard:
+    """/v1 needs the bearer key (when one is set) and a server that is not shutting down. Plain
+    ASGI, so streamed chunks pass straight through (Starlette's @app.middleware("http") relays
+    each one through a memory stream and a task switch)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            error = None
+            if self.state.api_key is not None and not _authorized(Headers(scope=scope),
+                                                                   self.state.api_key):
+                error = APIError(401, "invalid or missing API key: send the header "
+                                      "'Authorization: Bearer <key>'", code="invalid_api_key")
+            elif not self.state.serving:
+                error = APIError(503, "the server is shutting down")
+            if error is not None:
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _add_guards(app: FastAPI, state: ServerState):
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """/v1 needs the bearer key (when one is set) and a server that is not shutting down."""
-        if request.url.path.startswith("/v1"):
-            if state.api_key is not None and not _authorized(request, state.api_key):
-                return _error(APIError(401, "invalid or missing API key: send the header "
-                                       "'Authorization: Bearer <key>'", code="invalid_api_key"))
-            if not state.serving:
-                return _error(APIError(503, "the server is shutting down"))
-        return await call_next(request)
+    app.add_middleware(Guard, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -105,8 +120,8 @@ def _add_guards(app: FastAPI, state: ServerState):
         return _error(APIError(500, f"internal error: {type(error).__name__}: {error}"))
 
 
-def _authorized(request: Request, api_key: str) -> bool:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+def _authorized(headers: Headers, api_key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
                                                                  api_key.encode())
 

@@ -34,6 +34,8 @@ class ChoiceDelta:
 def merge_deltas(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
     """Each choice's deltas (in order) as one: texts, token ids and logprobs joined; the last
     one's finish; the first one's prompt logprobs. Choices in order of their first delta."""
+    if len({delta.index for delta in deltas}) == len(deltas):
+        return deltas  # a delta a choice: nothing to merge
     merged: dict[int, ChoiceDelta] = {}
     for delta in deltas:
         into = merged.get(delta.index)
@@ -152,8 +154,9 @@ class EngineLoop:
     def _run(self):
         try:
             while True:
-                stop = self._take_inbox()
-                self._publish()
+                stop, changed = self._take_inbox()
+                if changed:  # refused, aborted or stopped requests' last deltas
+                    self._publish()
                 if stop:
                     break
                 if not self._streams:
@@ -170,8 +173,9 @@ class EngineLoop:
                 self._stopping = True
         self._fail_all()
 
-    def _take_inbox(self) -> bool:
-        """Queue the new streams and abort the cancelled ones; True once stop() was called."""
+    def _take_inbox(self) -> tuple[bool, bool]:
+        """Queue the new streams and abort the cancelled ones: (stop() was called, anything
+        was taken)."""
         with self._inbox_lock:
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
@@ -183,7 +187,7 @@ class EngineLoop:
         ids = [r.request_id for stream in aborts for r in stream.requests]
         if ids:
             self.engine.abort_requests(ids)
-        return stopping
+        return stopping, bool(new or aborts)
 
     def _add(self, stream: RequestStream):
         try:
