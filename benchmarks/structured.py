@@ -3,19 +3,42 @@ batch 1, 16 and 64. The grammar rows follow [a-z]{N}; the free rows then generat
 tokens as each grammar row did (ignore_eos), so both runs take the same steps, and a step's time is
 a run's time over its longest row.
 
-    python -m benchmarks.structured --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf   # a GPU
-    python -m benchmarks.structured                               # the tiny random model, CPU
+    python -m benchmarks.structured            # a GPU: the random Qwen3-0.6B, a full vocabulary
+    python -m benchmarks.structured --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m benchmarks.structured            # a CPU: the tiny random Qwen3
 
-Use a checkpoint whose tokenizer covers its vocabulary: xgrammar treats ids without a token as
-special tokens, and each accept_token scans them (the random benchmark checkpoints pad a 320-token
-byte tokenizer to their vocabulary).
+The random Qwen3-0.6B is read with a tokenizer that gives every one of its 151,936 ids a token
+(strings of 1-4 letters), as a real tokenizer of that size does. Its own byte tokenizer would not
+do: xgrammar treats the ids a tokenizer lacks as special tokens, and every accept_token scans them.
 """
 
 import argparse
+import itertools
+import string
 import tempfile
 import time
 
+import torch
+
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+
+QWEN3_VOCAB_SIZE = 151936
+
+
+def write_letters_tokenizer(path: str, vocab_size: int) -> str:
+    """A tokenizer whose ids are all tokens: lowercase strings of 1-4 letters, then EOS last."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("".join(letters) for n in range(1, 5)
+             for letters in itertools.product(string.ascii_lowercase, repeat=n))
+    vocab = dict(zip(words, range(vocab_size - 1)))
+    vocab["<|im_end|>"] = vocab_size - 1
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
+    tokenizer.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>").save_pretrained(
+        path)
+    return path
 
 
 def timed(llm: LLM, prompts, params) -> tuple[float, list[int]]:
@@ -46,13 +69,19 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        model = args.model
-        if model is None:
+        model, options = args.model, {}
+        if model is None and torch.cuda.is_available():
+            from bench import resolve_model
+
+            model = resolve_model(None, "qwen3-0.6b")
+            options["tokenizer"] = write_letters_tokenizer(folder, QWEN3_VOCAB_SIZE)
+        elif model is None:
             from nanovllm.testing.tiny_model import write_tiny_qwen3
 
             write_tiny_qwen3(folder)
             model = folder
-        with LLM(model, max_num_seqs=max(args.batches), max_model_len=args.tokens + 64) as llm:
+        with LLM(model, max_num_seqs=max(args.batches), max_model_len=args.tokens + 64,
+                 **options) as llm:
             print(f"{'batch':>5} {'no grammar ms':>14} {'grammar ms':>11} {'ratio':>6}")
             for batch in args.batches:
                 free, constrained = ms_a_step(llm, batch, args.tokens)
