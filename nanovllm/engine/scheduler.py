@@ -21,10 +21,6 @@ class CommittedStep:
     # Per sampled sequence, the draft its rows verify ([]: one row); rows follow in this order.
     drafts: list[list[int]]
 
-    @property
-    def num_rows(self) -> int:
-        return sum(1 + len(draft) for draft in self.drafts)
-
 
 def scheduled_step(seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
     """The step the runner is handed for `seqs` as scheduled (before `commit`), by rows."""
@@ -57,7 +53,7 @@ def decode_step(seqs: list[Sequence]) -> ScheduledStep:
     sequence with a draft of d tokens has 1 + d rows, all in the decode graphs' shape: row i
     computes the token at position num_cached_tokens + i (the last token, then the draft's) over
     the KV before it, written by rows < i of the same layer, and samples what follows."""
-    if not any(seq.draft for seq in seqs):
+    if not any(seq.draft for seq in seqs):  # a row a sequence, by comprehensions: the hot path
         n = len(seqs)
         sampling = step_sampling(seqs)
         return ScheduledStep(False, [seq.seq_id for seq in seqs],
@@ -98,7 +94,7 @@ def step_sampling(sampled: list[Sequence], drafts: list[list[int]] | None = None
     draft of d tokens: row i samples after the draft's first i), in row order; updates their
     token histories (penalties). The rows with a grammar are listed; their masks wait for the
     tokens in flight (LLMEngine fills them)."""
-    if drafts is None or not any(drafts):
+    if drafts is None or not any(drafts):  # a row a sequence, by comprehensions: the hot path
         return StepSampling(
             [seq.sampling for seq in sampled], [seq.num_tokens for seq in sampled],
             {row: ids for row, seq in enumerate(sampled)
