@@ -9,25 +9,16 @@
     python bench.py --mixed-sampling      # the sampler step alone, by mix of controls
 """
 
-import sys
+from nanovllm.extras import ctrl_c_in_one_line
 
-
-def _ctrl_c_in_one_line(kind, value, traceback, default=sys.excepthook):
-    """A Ctrl-C prints one line; Python then exits with SIGINT's status (130). The engine has
-    stopped its workers while the interrupt unwound through the `with LLM(...)` block."""
-    if issubclass(kind, KeyboardInterrupt):
-        print("Interrupted.", file=sys.stderr)
-    else:
-        default(kind, value, traceback)
-
-
-sys.excepthook = _ctrl_c_in_one_line
+ctrl_c_in_one_line()  # first: the imports below take seconds
 
 import argparse
 import contextlib
 import functools
 import os
 import statistics
+import sys
 import time
 from random import randint, seed
 

