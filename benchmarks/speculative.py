@@ -10,6 +10,7 @@ verified draft yields: 1 + its accepted tokens, on average) and the share of dra
 """
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -53,15 +54,18 @@ def workload(kind: str, count: int) -> list[list[dict]]:
     return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(count)]
 
 
-def timed(llm: LLM, conversations, params: SamplingParams) -> tuple[float, int]:
-    """Seconds and output tokens of one chat call (after a warm-up of the same batch)."""
+def timed(llm: LLM, conversations, params: SamplingParams, repeats: int) -> tuple[float, int]:
+    """Median seconds and output tokens of `repeats` chat calls, after a warm-up of the same
+    batch (greedy: every call makes the same tokens)."""
     llm.chat(conversations, params, use_tqdm=False)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.chat(conversations, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
 def main():
@@ -72,6 +76,9 @@ def main():
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls (the median counts)")
+    parser.add_argument("--disable-by-batch-size", type=int,
+                        help="drafting stops above this batch (default: the config's)")
     args = parser.parse_args()
     if args.model is None:
         from nanovllm.testing.real_model import smollm2_gguf
@@ -79,6 +86,8 @@ def main():
         args.model = smollm2_gguf()
     spec = {"method": "ngram", "num_speculative_tokens": args.k,
             "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rates = {}
     for label, config in (("plain", None), ("ngram", spec)):
@@ -88,9 +97,9 @@ def main():
                 for batch in args.batches:
                     before = (engine.num_drafts, engine.num_draft_tokens,
                               engine.num_accepted_tokens)
-                    seconds, tokens = timed(llm, workload(kind, batch), params)
+                    seconds, tokens = timed(llm, workload(kind, batch), params, args.repeats)
                     after = (engine.num_drafts, engine.num_draft_tokens, engine.num_accepted_tokens)
-                    # Over the timed call and its warm-up (the same work, greedy).
+                    # Over the timed calls and the warm-up (the same work each, greedy).
                     counts = [a - b for a, b in zip(after, before)]
                     rates[label, kind, batch] = (tokens / seconds, *counts)
     print(f"k={args.k}, prompt_lookup {args.lookup_min}-{args.lookup_max}, greedy, "
