@@ -6,6 +6,8 @@ LLM.generate.
     python -m benchmarks.serve                      # 256 requests, 64 clients (a GPU)
     python -m benchmarks.serve --num-requests 8 --clients 4 --max-input-len 128 \\
         --max-output-len 32                         # a CPU: a random SmolLM2-shaped checkpoint
+    python -m benchmarks.serve --tiny --num-requests 64 --clients 64 --client-processes 1 \\
+        --max-input-len 128 --max-output-len 64     # a CPU: the server's own cost per token
 
 Reports each side's output throughput and their ratio, and the server's time to first token and
 inter-token latency (p50, p99), measured by the clients.
@@ -14,6 +16,7 @@ inter-token latency (p50, p99), measured by the clients.
 import argparse
 import asyncio
 import multiprocessing
+import os
 import statistics
 import time
 
@@ -23,6 +26,8 @@ import torch
 from bench import resolve_model, upstream_workload
 from nanovllm import LLM
 from nanovllm.serve.server import ServerThread
+from nanovllm.testing.real_model import cache_dir
+from nanovllm.testing.tiny_model import TINY_VOCAB_SIZE, write_tiny_qwen3
 
 MODEL_NAME = "bench"
 
@@ -80,12 +85,17 @@ def client_process(args) -> tuple[int, list, list]:
     return asyncio.run(run_clients(url, work, num_clients))
 
 
-def workload(num_requests: int, max_input_len: int, max_output_len: int):
-    """Upstream's draws, then cut to the given lengths (a CPU's smaller run; none at 1,024)."""
+def workload(num_requests: int, max_input_len: int, max_output_len: int,
+             vocab_size: int | None = None):
+    """Upstream's draws, then cut to the given lengths (a CPU's smaller run; none at 1,024), the
+    ids taken modulo a vocabulary smaller than upstream's 10,001 draws (the tiny model's)."""
     prompts, params = upstream_workload(num_requests)
     for sp in params:
         sp.max_tokens = min(sp.max_tokens, max_output_len)
-    return [p[:max_input_len] for p in prompts], params
+    prompts = [p[:max_input_len] for p in prompts]
+    if vocab_size is not None:
+        prompts = [[t % vocab_size for t in p] for p in prompts]
+    return prompts, params
 
 
 def offline(llm: LLM, prompts, params) -> tuple[int, float]:
@@ -127,7 +137,17 @@ def parse_args():
     add("--max-output-len", type=int, default=1024, help="outputs cut to this many tokens")
     add("--max-model-len", type=int, default=4096)
     add("--enforce-eager", action="store_true")
+    add("--tiny", action="store_true", help="the tests' tiny random Qwen3 (2 layers, 320 tokens): "
+                                            "a step costs next to nothing, the server's work shows")
     return parser.parse_args()
+
+
+def tiny_model() -> str:
+    """The tests' tiny Qwen3, written once under the cache directory."""
+    path = os.path.join(cache_dir(), "tiny-qwen3")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        write_tiny_qwen3(path)
+    return path
 
 
 def default_model() -> str:
@@ -140,9 +160,10 @@ def default_model() -> str:
 
 def main():
     args = parse_args()
-    prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
-    with LLM(args.model or default_model(), max_model_len=args.max_model_len,
-             enforce_eager=args.enforce_eager) as llm:
+    prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len,
+                               TINY_VOCAB_SIZE if args.tiny else None)
+    model = tiny_model() if args.tiny else args.model or default_model()
+    with LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager) as llm:
         llm.generate([prompts[0][:8]], params[0], use_tqdm=False)  # warm-up
         offline_tokens, offline_seconds = offline(llm, prompts, params)
         tokens, seconds, ttfts, itls = served(llm, prompts, params, args.clients,
