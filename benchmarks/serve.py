@@ -1,7 +1,8 @@
-"""HTTP serving against offline `generate`, in one run on one engine: upstream nano-vllm's bench.py
-workload (256 requests, 100-1,024 random tokens in and out, temperature 0.6, ignore_eos) sent by N
-concurrent streaming clients (in 8 processes) to the OpenAI-compatible server, then run by
-LLM.generate.
+"""HTTP serving against offline `generate`, in one run: upstream nano-vllm's bench.py workload (256
+requests, 100-1,024 random tokens in and out, temperature 0.6, ignore_eos) sent by N concurrent
+streaming clients (in 8 processes) to the OpenAI-compatible server, laid out as `nanovllm serve`
+lays it out (the HTTP server here, its engine in a process of its own); then, with that engine
+gone, run by LLM.generate here (one engine's KV pool on the device at a time).
 
     python -m benchmarks.serve                      # 256 requests, 64 clients (a GPU)
     python -m benchmarks.serve --num-requests 8 --clients 4 --max-input-len 128 \\
@@ -98,20 +99,22 @@ def workload(num_requests: int, max_input_len: int, max_output_len: int,
     return prompts, params
 
 
-def offline(llm: LLM, prompts, params) -> tuple[int, float]:
-    llm.reset_prefix_cache()
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return sum(p.max_tokens for p in params), time.perf_counter() - start
+def offline(model: str, engine_options: dict, prompts, params) -> tuple[int, float]:
+    with LLM(model, **engine_options) as llm:
+        llm.generate([prompts[0][:8]], params[0], use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return sum(p.max_tokens for p in params), time.perf_counter() - start
 
 
-def served(llm: LLM, prompts, params, num_clients: int, num_processes: int):
+def served(model: str, engine_options: dict, prompts, params, num_clients: int,
+           num_processes: int):
     """The workload through the server, its clients spread over processes (round robin) so that
     parsing the streams does not take the server's interpreter lock."""
-    llm.reset_prefix_cache()
     work = list(zip(prompts, params))
     num_processes = min(num_processes, num_clients)
-    with ServerThread(llm, MODEL_NAME) as server:
+    with ServerThread(model, MODEL_NAME, engine_options) as server:
+        asyncio.run(run_clients(server.url, [(prompts[0][:8], params[0])], 1))  # warm-up
         context = multiprocessing.get_context("spawn")
         with context.Pool(num_processes) as pool:
             start_at = time.time() + 5.0  # the processes import openai meanwhile
@@ -163,11 +166,10 @@ def main():
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len,
                                TINY_VOCAB_SIZE if args.tiny else None)
     model = tiny_model() if args.tiny else args.model or default_model()
-    with LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager) as llm:
-        llm.generate([prompts[0][:8]], params[0], use_tqdm=False)  # warm-up
-        offline_tokens, offline_seconds = offline(llm, prompts, params)
-        tokens, seconds, ttfts, itls = served(llm, prompts, params, args.clients,
-                                              args.client_processes)
+    options = dict(max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+    tokens, seconds, ttfts, itls = served(model, options, prompts, params, args.clients,
+                                          args.client_processes)
+    offline_tokens, offline_seconds = offline(model, options, prompts, params)
     assert tokens == offline_tokens, (tokens, offline_tokens)
     offline_rate, served_rate = offline_tokens / offline_seconds, tokens / seconds
     print(f"{args.num_requests} requests, {tokens} output tokens, {args.clients} clients")
