@@ -1,11 +1,14 @@
-"""HTTP serving against offline `generate`, in one run on one engine: upstream nano-vllm's bench.py
-workload (256 requests, 100-1,024 random tokens in and out, temperature 0.6, ignore_eos) sent by N
-concurrent streaming clients (in 8 processes) to the OpenAI-compatible server, then run by
-LLM.generate.
+"""HTTP serving against offline `generate`, in one run: upstream nano-vllm's bench.py workload (256
+requests, 100-1,024 random tokens in and out, temperature 0.6, ignore_eos) sent by N concurrent
+streaming clients (in 8 processes) to the OpenAI-compatible server, laid out as `nanovllm serve`
+lays it out (the HTTP server here, its engine in a process of its own); then, with that engine
+gone, run by LLM.generate here (one engine's KV pool on the device at a time).
 
     python -m benchmarks.serve                      # 256 requests, 64 clients (a GPU)
     python -m benchmarks.serve --num-requests 8 --clients 4 --max-input-len 128 \\
         --max-output-len 32                         # a CPU: a random SmolLM2-shaped checkpoint
+    python -m benchmarks.serve --tiny --num-requests 64 --clients 64 --client-processes 1 \\
+        --max-input-len 128 --max-output-len 64     # a CPU: the server's own cost per token
 
 Reports each side's output throughput and their ratio, and the server's time to first token and
 inter-token latency (p50, p99), measured by the clients.
@@ -14,6 +17,7 @@ inter-token latency (p50, p99), measured by the clients.
 import argparse
 import asyncio
 import multiprocessing
+import os
 import statistics
 import time
 
@@ -23,6 +27,8 @@ import torch
 from bench import resolve_model, upstream_workload
 from nanovllm import LLM
 from nanovllm.serve.server import ServerThread
+from nanovllm.testing.real_model import cache_dir
+from nanovllm.testing.tiny_model import TINY_VOCAB_SIZE, write_tiny_qwen3
 
 MODEL_NAME = "bench"
 
@@ -80,28 +86,35 @@ def client_process(args) -> tuple[int, list, list]:
     return asyncio.run(run_clients(url, work, num_clients))
 
 
-def workload(num_requests: int, max_input_len: int, max_output_len: int):
-    """Upstream's draws, then cut to the given lengths (a CPU's smaller run; none at 1,024)."""
+def workload(num_requests: int, max_input_len: int, max_output_len: int,
+             vocab_size: int | None = None):
+    """Upstream's draws, then cut to the given lengths (a CPU's smaller run; none at 1,024), the
+    ids taken modulo a vocabulary smaller than upstream's 10,001 draws (the tiny model's)."""
     prompts, params = upstream_workload(num_requests)
     for sp in params:
         sp.max_tokens = min(sp.max_tokens, max_output_len)
-    return [p[:max_input_len] for p in prompts], params
+    prompts = [p[:max_input_len] for p in prompts]
+    if vocab_size is not None:
+        prompts = [[t % vocab_size for t in p] for p in prompts]
+    return prompts, params
 
 
-def offline(llm: LLM, prompts, params) -> tuple[int, float]:
-    llm.reset_prefix_cache()
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return sum(p.max_tokens for p in params), time.perf_counter() - start
+def offline(model: str, engine_options: dict, prompts, params) -> tuple[int, float]:
+    with LLM(model, **engine_options) as llm:
+        llm.generate([prompts[0][:8]], params[0], use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return sum(p.max_tokens for p in params), time.perf_counter() - start
 
 
-def served(llm: LLM, prompts, params, num_clients: int, num_processes: int):
+def served(model: str, engine_options: dict, prompts, params, num_clients: int,
+           num_processes: int):
     """The workload through the server, its clients spread over processes (round robin) so that
     parsing the streams does not take the server's interpreter lock."""
-    llm.reset_prefix_cache()
     work = list(zip(prompts, params))
     num_processes = min(num_processes, num_clients)
-    with ServerThread(llm, MODEL_NAME) as server:
+    with ServerThread(model, MODEL_NAME, engine_options) as server:
+        asyncio.run(run_clients(server.url, [(prompts[0][:8], params[0])], 1))  # warm-up
         context = multiprocessing.get_context("spawn")
         with context.Pool(num_processes) as pool:
             start_at = time.time() + 5.0  # the processes import openai meanwhile
@@ -127,7 +140,17 @@ def parse_args():
     add("--max-output-len", type=int, default=1024, help="outputs cut to this many tokens")
     add("--max-model-len", type=int, default=4096)
     add("--enforce-eager", action="store_true")
+    add("--tiny", action="store_true", help="the tests' tiny random Qwen3 (2 layers, 320 tokens): "
+                                            "a step costs next to nothing, the server's work shows")
     return parser.parse_args()
+
+
+def tiny_model() -> str:
+    """The tests' tiny Qwen3, written once under the cache directory."""
+    path = os.path.join(cache_dir(), "tiny-qwen3")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        write_tiny_qwen3(path)
+    return path
 
 
 def default_model() -> str:
@@ -140,13 +163,13 @@ def default_model() -> str:
 
 def main():
     args = parse_args()
-    prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
-    with LLM(args.model or default_model(), max_model_len=args.max_model_len,
-             enforce_eager=args.enforce_eager) as llm:
-        llm.generate([prompts[0][:8]], params[0], use_tqdm=False)  # warm-up
-        offline_tokens, offline_seconds = offline(llm, prompts, params)
-        tokens, seconds, ttfts, itls = served(llm, prompts, params, args.clients,
-                                              args.client_processes)
+    prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len,
+                               TINY_VOCAB_SIZE if args.tiny else None)
+    model = tiny_model() if args.tiny else args.model or default_model()
+    options = dict(max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+    tokens, seconds, ttfts, itls = served(model, options, prompts, params, args.clients,
+                                          args.client_processes)
+    offline_tokens, offline_seconds = offline(model, options, prompts, params)
     assert tokens == offline_tokens, (tokens, offline_tokens)
     offline_rate, served_rate = offline_tokens / offline_seconds, tokens / seconds
     print(f"{args.num_requests} requests, {tokens} output tokens, {args.clients} clients")

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions, /health and
-/metrics, over one engine stepped by an EngineLoop."""
+/metrics, over one engine in a process of its own (an EngineClient)."""
 
 import asyncio
 import secrets
@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
 from nanovllm.llm import conversation_prompts
-from nanovllm.serve.engine_loop import EngineLoop, EngineStopped, RequestStream
+from nanovllm.serve.engine_client import EngineClient, EngineStopped, RequestStream
 from nanovllm.serve.metrics import ServerMetrics
 from nanovllm.serve.protocol import (
     APIError,
@@ -41,42 +41,43 @@ from nanovllm.serve.streams import (
 
 @dataclass
 class ServerState:
-    """What every handler shares: the front, the engine's loop, the names and the metrics."""
+    """What every handler shares: the engine, the names and the metrics."""
 
-    llm: object  # nanovllm.LLM with one in-process engine
+    engine: EngineClient
     model_name: str
     api_key: str | None = None
     metrics: ServerMetrics = None
-    loop: EngineLoop | None = None
     draining: bool = False  # set on SIGTERM: new requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText = None
 
     def __post_init__(self):
         self.metrics = self.metrics or ServerMetrics(self.model_name)
-        self.token_text = TokenText(self.llm.tokenizer)
+        self.token_text = TokenText(self.engine.tokenizer)
 
     @property
-    def serving(self) -> bool:
-        return not self.draining and self.loop is not None and self.loop.alive
+    def unavailable(self) -> str | None:
+        """Why /v1 answers 503 now (shutting down, or the engine failed); None while serving."""
+        if self.engine.error is not None:
+            return self.engine.error
+        if self.draining or not self.engine.alive:
+            return "the server is shutting down"
+        return None
 
 
-def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app over `llm` (an LLM with one in-process engine); the engine loop runs while the app
-    does (its lifespan). The caller owns `llm` and exits it after the server stops."""
-    if llm.llm_engine.config.skip_tokenizer_init:
-        raise ValueError("the server needs the model's tokenizer (text, chat templates, "
-                         "streamed text): start it without skip_tokenizer_init")
-    state = ServerState(llm, model_name, api_key)
+def build_app(engine: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app over a started engine: the app's lifespan hands it the event loop, and its end
+    stops the engine (the process exits)."""
+    state = ServerState(engine, model_name, api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.loop = EngineLoop(llm.llm_engine, state.metrics)
+        await engine.attach(state.metrics)
         try:
             yield
         finally:
             state.draining = True
-            state.loop.stop()
+            await engine.shutdown()
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.state.server = state
@@ -100,8 +101,8 @@ class Guard:
                                                                    self.state.api_key):
                 error = APIError(401, "invalid or missing API key: send the header "
                                       "'Authorization: Bearer <key>'", code="invalid_api_key")
-            elif not self.state.serving:
-                error = APIError(503, "the server is shutting down")
+            elif (why := self.state.unavailable) is not None:
+                error = APIError(503, why)
             if error is not None:
                 await _error(error)(scope, receive, send)
                 return
@@ -133,7 +134,7 @@ def _error(error: APIError) -> JSONResponse:
 def _add_routes(app: FastAPI, state: ServerState):
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if state.serving else 503)
+        return Response(status_code=503 if state.unavailable else 200)
 
     @app.get("/metrics")
     async def metrics():
@@ -142,7 +143,7 @@ def _add_routes(app: FastAPI, state: ServerState):
     @app.get("/v1/models")
     async def models():
         card = ModelCard(id=state.model_name, created=state.created,
-                         max_model_len=state.llm.llm_engine.limits.max_model_len)
+                         max_model_len=state.engine.limits.max_model_len)
         return ModelList(data=[card])
 
     @app.post("/v1/completions")
@@ -185,14 +186,14 @@ def _submit_completion(state: ServerState, body: CompletionRequest):
     check_supported(body)
     prompts = _as_prompt_list(body.prompt)
     try:
-        tokenizer = state.llm.tokenizer
+        tokenizer = state.engine.tokenizer
         token_lists = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = _rest_of_context(state, max(map(len, token_lists)))
         params = sampling_params(body, max_tokens, body.logprobs,
                                  completion_prompt_logprobs(body))
-        requests = state.llm.make_requests(token_lists, params)
+        requests = state.engine.make_requests(token_lists, params)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     return prompts, token_lists, _submit(state, requests)
@@ -203,7 +204,7 @@ def _submit_chat(state: ServerState, body: ChatCompletionRequest) -> RequestStre
     check_supported(body)
     messages = chat_messages(body)
     try:
-        (token_ids,) = conversation_prompts(state.llm.tokenizer, messages)
+        (token_ids,) = conversation_prompts(state.engine.tokenizer, messages)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # the template itself refused (jinja's raise_exception)
@@ -213,7 +214,7 @@ def _submit_chat(state: ServerState, body: ChatCompletionRequest) -> RequestStre
         max_tokens = _rest_of_context(state, len(token_ids))
     try:
         params = sampling_params(body, max_tokens, chat_logprobs_count(body))
-        requests = state.llm.make_requests([token_ids], params)
+        requests = state.engine.make_requests([token_ids], params)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     return _submit(state, requests)
@@ -222,14 +223,14 @@ def _submit_chat(state: ServerState, body: ChatCompletionRequest) -> RequestStre
 def _rest_of_context(state: ServerState, num_prompt_tokens: int) -> int:
     """max_tokens left unset: as many as the context and the KV pool leave (at least 1, so that
     a prompt that already fills them gets the engine's own error)."""
-    limits = state.llm.llm_engine.limits
+    limits = state.engine.limits
     pool = limits.num_blocks * limits.block_size + 1  # the last token needs no KV slot
     return max(1, min(limits.max_model_len, pool) - num_prompt_tokens)
 
 
 def _submit(state: ServerState, requests) -> RequestStream:
     try:
-        return state.loop.submit(requests)
+        return state.engine.submit(requests)
     except EngineStopped as e:
         raise APIError(503, str(e)) from None
 
@@ -263,7 +264,7 @@ async def _collect(request: Request, state: ServerState,
     finally:
         consumer.cancel()
         watcher.cancel()
-        state.loop.abort(stream)
+        state.engine.abort(stream)
     if not consumer.done() or consumer.cancelled():
         raise APIError(400, "the client disconnected")  # nobody reads this answer
     if isinstance(consumer.exception(), EngineStopped):

@@ -89,24 +89,20 @@ def serve_parser(prog: str = "nanovllm serve") -> argparse.ArgumentParser:
 
 
 def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.serve"):
-    """Parse, start the engine, serve until SIGTERM or SIGINT, then exit the engine."""
+    """Parse, start the engine process, serve until SIGTERM or SIGINT, then end the engine."""
     parser = serve_parser(prog)
     args = parser.parse_args(argv)
+    from nanovllm.serve.engine_client import EngineClient
     from nanovllm.serve.server import make_server  # fastapi and uvicorn: the [serve] extra
 
     try:
-        from nanovllm.llm import LLM
-
-        llm = LLM(args.model, **engine_options(args))
+        engine = EngineClient(args.model, engine_options(args))
     except (TypeError, ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    with llm:
-        try:
-            server = make_server(llm, args.served_model_name or args.model, args.host, args.port,
-                                 api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
-                                 log_level=args.log_level)
-        except ValueError as e:
-            parser.error(str(e))
+    with engine:
+        server = make_server(engine, args.served_model_name or args.model, args.host, args.port,
+                             api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
+                             log_level=args.log_level)
         server.run()
 
 

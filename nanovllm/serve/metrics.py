@@ -12,7 +12,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 
 
 class ServerMetrics:
-    """Gauges set by the engine thread after each step; counters and histograms as tokens come."""
+    """Gauges set from the engine's message after each step; counters and histograms as requests
+    and tokens come."""
 
     CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -37,13 +38,11 @@ class ServerMetrics:
         self.itl = make(Histogram, "inter_token_latency_seconds",
                         "Seconds between a choice's consecutive tokens.", buckets=ITL_BUCKETS)
 
-    def observe_engine(self, engine):
-        """The scheduler's queues and the KV pool's use, now (engine thread)."""
-        scheduler = engine.scheduler
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        total = scheduler.block_manager.num_blocks
-        self.kv_cache_usage.set(1 - scheduler.block_manager.num_free_blocks / max(total, 1))
+    def observe_engine(self, num_running: int, num_waiting: int, kv_cache_usage: float):
+        """The scheduler's queues and the KV pool's use after the engine's last step."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_cache_usage.set(kv_cache_usage)
 
     def observe_request(self, num_prompt_tokens: int):
         self.requests.inc()

@@ -2,7 +2,7 @@
 choices: the one place the wire format meets the engine's outputs."""
 
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
-from nanovllm.serve.engine_loop import ChoiceDelta
+from nanovllm.serve.messages import ChoiceDelta
 from nanovllm.serve.protocol import (
     APIError,
     AssistantMessage,

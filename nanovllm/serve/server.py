@@ -1,5 +1,6 @@
 """uvicorn around the app: in the foreground with a clean exit on SIGTERM/SIGINT (stop accepting,
-let running requests finish up to a timeout, abort the rest), or on a thread (tests, benchmarks)."""
+let running requests finish up to a timeout, abort the rest, end the engine process), or on a
+thread (tests, benchmarks)."""
 
 import contextlib
 import signal
@@ -10,13 +11,14 @@ import time
 import uvicorn
 
 from nanovllm.serve.app import build_app
+from nanovllm.serve.engine_client import EngineClient
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Server(uvicorn.Server):
     """uvicorn's server, told which app state to mark as draining when a signal comes; it exits
-    by returning (the caller then exits the engine) rather than by re-raising the signal."""
+    by returning (the app's end has stopped the engine) rather than by re-raising the signal."""
 
     def __init__(self, config: uvicorn.Config, state):
         super().__init__(config)
@@ -39,9 +41,10 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def make_server(llm, model_name: str, host: str, port: int, api_key: str | None = None,
-                shutdown_timeout: float = 30.0, log_level: str = "info") -> Server:
-    app = build_app(llm, model_name, api_key)
+def make_server(engine: EngineClient, model_name: str, host: str, port: int,
+                api_key: str | None = None, shutdown_timeout: float = 30.0,
+                log_level: str = "info") -> Server:
+    app = build_app(engine, model_name, api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     return Server(config, app.state.server)
@@ -54,14 +57,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerThread:
-    """The server on a thread of this process, on 127.0.0.1 and a free port: `url` once
-    started; stop() shuts it down as a signal would."""
+    """The server on a thread of this process, on 127.0.0.1 and a free port, over an engine
+    process started from `LLM(model, **engine_options)`'s arguments: `url` once started; stop()
+    shuts both down as a signal would."""
 
-    def __init__(self, llm, model_name: str = "model", start_timeout: float = 60.0, **options):
+    def __init__(self, model: str, model_name: str = "model", engine_options: dict | None = None,
+                 start_timeout: float = 60.0, **options):
         options.setdefault("log_level", "warning")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(llm, model_name, "127.0.0.1", self.port, **options)
+        self.engine = EngineClient(model, engine_options or {})
+        try:
+            self.server = make_server(self.engine, model_name, "127.0.0.1", self.port, **options)
+        except BaseException:
+            self.engine.stop()
+            raise
         self.state = self.server.state
         self.thread = threading.Thread(target=self.server.run, name="nanovllm-server",
                                        daemon=True)
@@ -77,6 +87,7 @@ class ServerThread:
         self.state.draining = True
         self.server.should_exit = True
         self.thread.join(timeout)
+        self.engine.stop()  # already stopped by the app's end, unless it never started
 
     def __enter__(self):
         return self

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 
-from nanovllm.serve.engine_loop import EngineStopped, RequestStream
+from nanovllm.serve.engine_client import EngineStopped, RequestStream
 from nanovllm.serve.protocol import (
     APIError,
     ChatCompletionChunk,
@@ -34,7 +34,7 @@ def _num_choices(stream: RequestStream) -> int:
 
 def completion_response(state, body: CompletionRequest, stream: RequestStream,
                         results: ChoiceAccumulator, prompts: list) -> CompletionResponse:
-    choices = CompletionChoices(body, prompts, state.llm.tokenizer, state.token_text)
+    choices = CompletionChoices(body, prompts, state.engine.tokenizer, state.token_text)
     return CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name,
         choices=[choices.choice(results.whole(i)) for i in range(_num_choices(stream))],
@@ -53,7 +53,7 @@ def chat_response(state, body: ChatCompletionRequest, stream: RequestStream,
 async def completion_events(state, body: CompletionRequest, stream: RequestStream,
                             prompts: list) -> AsyncIterator[str]:
     """A completion's server-sent events: one chunk per choice's delta."""
-    choices = CompletionChoices(body, prompts, state.llm.tokenizer, state.token_text)
+    choices = CompletionChoices(body, prompts, state.engine.tokenizer, state.token_text)
     chunk = functools.partial(CompletionResponse, id=f"cmpl-{uuid.uuid4().hex}",
                               created=int(time.time()), model=state.model_name)
     async for event in _events(state, body, stream, chunk, choices.choice):
@@ -88,5 +88,5 @@ async def _events(state, body, stream: RequestStream, chunk: Callable[..., BaseM
     except EngineStopped as e:
         yield _event(APIError(503, str(e)).body())
     finally:  # a client that left, or a cancelled task, aborts what is unfinished
-        state.loop.abort(stream)
+        state.engine.abort(stream)
     yield DONE

@@ -1,4 +1,5 @@
-"""A server on 127.0.0.1 over the tiny checkpoint, for each test module that asks for one."""
+"""A server on 127.0.0.1 over the tiny checkpoint (its engine in a process of its own), for each
+test module that asks for one, and an offline engine of the same options to compare with."""
 
 import openai
 import pytest
@@ -7,20 +8,22 @@ from nanovllm import LLM
 from nanovllm.serve.server import ServerThread
 
 MODEL_NAME = "tiny"
-# Room for 64 concurrent requests of a few dozen tokens, in small blocks.
-ENGINE_OPTIONS = dict(num_kvcache_blocks=256, kvcache_block_size=16, max_model_len=256)
+# Room for 64 concurrent requests of a few dozen tokens, in small blocks; a seed, so that the
+# server's engine process draws the same noise run after run (requests without a seed repeat).
+ENGINE_OPTIONS = dict(num_kvcache_blocks=256, kvcache_block_size=16, max_model_len=256, seed=0)
 REQUEST_TIMEOUT = 120.0  # seconds: every client call is bounded
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
+    """An offline engine of the same checkpoint and options as the server's: the oracle."""
     with LLM(tiny_model, **ENGINE_OPTIONS) as llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    with ServerThread(llm, MODEL_NAME) as server:
+def server(tiny_model):
+    with ServerThread(tiny_model, MODEL_NAME, engine_options=ENGINE_OPTIONS) as server:
         yield server
 
 

@@ -6,6 +6,7 @@ import urllib.error
 import urllib.request
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm.serve.server import ServerThread
 
@@ -63,3 +64,11 @@ def assert_error(status: int, body, expected_status: int, *words: str):
 def client_for(server: ServerThread, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0,
                          timeout=TIMEOUT)
+
+
+def gauges(server: ServerThread) -> dict[str, float]:
+    """/metrics' gauges by name: the engine's queues and its KV pool's use after its last step."""
+    status, text = request(server, "/metrics")
+    assert status == 200, text
+    return {s.name: s.value for family in text_string_to_metric_families(text)
+            if family.type == "gauge" for s in family.samples}

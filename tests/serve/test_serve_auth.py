@@ -2,7 +2,7 @@
 
 import openai
 import pytest
-from conftest import MODEL_NAME
+from conftest import ENGINE_OPTIONS, MODEL_NAME
 from serve_helpers import assert_error, client_for, post, request
 
 from nanovllm.serve.server import ServerThread
@@ -10,8 +10,8 @@ from nanovllm.serve.server import ServerThread
 COMPLETIONS = "/v1/completions"
 
 
-def test_the_api_key_is_required_when_set(llm):
-    with ServerThread(llm, MODEL_NAME, api_key="sesame") as server:
+def test_the_api_key_is_required_when_set(tiny_model):
+    with ServerThread(tiny_model, MODEL_NAME, ENGINE_OPTIONS, api_key="sesame") as server:
         with pytest.raises(openai.AuthenticationError):
             client_for(server, "wrong").models.list()
         status, body = post(server, COMPLETIONS, {"prompt": "x"})
@@ -22,8 +22,8 @@ def test_the_api_key_is_required_when_set(llm):
         assert request(server, "/metrics")[0] == 200
 
 
-def test_shutting_down_answers_503(llm):
-    with ServerThread(llm, MODEL_NAME) as server:
+def test_shutting_down_answers_503(tiny_model):
+    with ServerThread(tiny_model, MODEL_NAME, ENGINE_OPTIONS) as server:
         server.state.draining = True
         assert_error(*post(server, COMPLETIONS, {"prompt": "x"}), 503, "shutting down")
         assert request(server, "/health")[0] == 503

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,12 +56,22 @@ def test_a_dict_option_takes_json():
 
 
 def test_the_server_needs_a_tokenizer(tiny_model):
-    from nanovllm import LLM
-    from nanovllm.serve.app import build_app
+    from nanovllm.serve.engine_client import EngineClient
 
-    with LLM(tiny_model, skip_tokenizer_init=True, **ENGINE_OPTIONS) as llm:
-        with pytest.raises(ValueError, match="skip_tokenizer_init"):
-            build_app(llm, "tiny")
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        EngineClient(tiny_model, dict(skip_tokenizer_init=True, **ENGINE_OPTIONS))
+
+
+def test_an_engine_that_cannot_start_raises_its_error(tiny_model, tmp_path):
+    """A checkpoint whose config and tokenizer read well but whose weights are missing: the
+    server's checks pass, the engine process fails to load, and its error is raised here."""
+    from nanovllm.serve.engine_client import EngineClient
+
+    for name in os.listdir(tiny_model):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_model, name), tmp_path)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        EngineClient(str(tmp_path), ENGINE_OPTIONS)
 
 
 def _healthy(url: str) -> bool:
@@ -69,6 +80,30 @@ def _healthy(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def spawned_children(pid: int) -> set[int]:
+    """The child processes of `pid` that multiprocessing spawned (the engine's, not the resource
+    tracker that spawning starts, which outlives its parent by a moment), from Linux's /proc."""
+    found = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found.update(map(int, f.read().split()))
+    spawned = set()
+    for child in found:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                spawned.add(child)
+    return spawned
+
+
+def has_ended(pid: int) -> bool:
+    """No such process, or only its exit status is left (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_sigterm_finishes_the_running_stream_and_exits_cleanly(tiny_model):
@@ -83,6 +118,8 @@ def test_sigterm_finishes_the_running_stream_and_exits_cleanly(tiny_model):
         wait_until(lambda: _healthy(url) or process.poll() is not None, timeout=TIMEOUT,
                    what="the server's start")
         assert process.poll() is None, process.stdout.read().decode()
+        engine = spawned_children(process.pid)
+        assert len(engine) == 1, engine
         with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
             assert json.load(response)["data"][0]["id"] == "tiny"
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
@@ -96,6 +133,7 @@ def test_sigterm_finishes_the_running_stream_and_exits_cleanly(tiny_model):
         assert first.choices[0].finish_reason is None
         assert rest[-1].choices[0].finish_reason == "length"
         assert process.wait(timeout=TIMEOUT) == 0
+        assert has_ended(engine.pop())  # the server ended its engine: no orphan left behind
     finally:
         if process.poll() is None:
             process.kill()

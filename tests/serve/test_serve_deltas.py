@@ -2,7 +2,8 @@
 
 import asyncio
 
-from nanovllm.serve.engine_loop import ChoiceDelta, EngineStopped, RequestStream, merge_deltas
+from nanovllm.serve.engine_client import EngineStopped, RequestStream, merge_deltas
+from nanovllm.serve.messages import ChoiceDelta
 
 
 def test_merge_joins_each_choice_in_order():
@@ -19,7 +20,7 @@ def test_merge_joins_each_choice_in_order():
 
 def test_next_deltas_drains_the_queue_and_keeps_the_end_for_later():
     async def scenario():
-        stream = RequestStream([], asyncio.get_running_loop())
+        stream = RequestStream([])
         stream.queue.put_nowait([ChoiceDelta(0, "a", [1], None)])
         stream.queue.put_nowait([ChoiceDelta(0, "b", [2], None, finish_reason="stop")])
         stream.queue.put_nowait(None)
@@ -33,7 +34,7 @@ def test_next_deltas_drains_the_queue_and_keeps_the_end_for_later():
 
 def test_an_error_after_deltas_is_raised_by_the_next_call():
     async def scenario():
-        stream = RequestStream([], asyncio.get_running_loop())
+        stream = RequestStream([])
         stream.queue.put_nowait([ChoiceDelta(0, "a", [1], None)])
         stream.queue.put_nowait(EngineStopped("shutting down"))
         first = await stream.next_deltas()
