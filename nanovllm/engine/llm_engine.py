@@ -236,9 +236,11 @@ class LLMEngine(WeightOps, Postprocess):
         for request in requests:
             samples = Sequence(request.token_ids, request.params, block_size, self.eos_token_ids,
                                request.banned_token_ids).make_samples()
-            grammar = request.grammar
-            if grammar is None and request.params.structured_outputs is not None:
-                grammar = self.grammars.compile(request.params.structured_outputs)
+            grammar, spec = request.grammar, request.params.structured_outputs
+            if isinstance(grammar, str):  # compiled in another process (grammar.serialize)
+                grammar = self.grammars.load(spec, grammar)
+            elif grammar is None and spec is not None:
+                grammar = self.grammars.compile(spec)
             for sample in samples:
                 sample.request_id = request.request_id
                 if grammar is not None:  # each sample its own matcher

@@ -37,7 +37,8 @@ class Request:
     params: SamplingParams
     prompt: str | None = None  # the prompt's text, if it was given as text
     banned_token_ids: tuple[int, ...] = ()  # params.bad_words as token ids
-    grammar: object = None  # params.structured_outputs compiled (engine.grammar.Grammars)
+    # params.structured_outputs compiled (engine.grammar.Grammars), or as grammar.serialize's JSON
+    grammar: object = None
 
 
 def make_requests(prompts, sampling_params, tokenizer, limits: RequestLimits,

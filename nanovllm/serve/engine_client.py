@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 
 from nanovllm.checkpoint.tokenizer import load_tokenizer
-from nanovllm.engine.grammar import Grammars
+from nanovllm.engine.grammar import Grammars, serialize, spec_key
 from nanovllm.engine.requests import Request, RequestLimits, make_requests
 from nanovllm.serve import channel
 from nanovllm.serve.channel import MessageProtocol
@@ -114,6 +114,7 @@ class EngineClient:
         self._streams: dict[int, RequestStream] = {}
         self._stream_ids = count()
         self._request_ids = count()
+        self._grammars_sent: set[tuple] = set()  # specs whose grammar the engine has been sent
         self._protocol: MessageProtocol | None = None
         self._closed: asyncio.Future | None = None  # done once the engine's end has closed
         self._metrics = None
@@ -173,10 +174,20 @@ class EngineClient:
         self._streams[stream.stream_id] = stream
         if self._metrics is not None:
             self._metrics.observe_request(stream.num_prompt_tokens)
-        # A compiled grammar does not pickle: the engine compiles the spec again, from its cache.
-        self._protocol.send(AddRequests(stream.stream_id,
-                                        [replace(r, grammar=None) for r in requests]))
+        self._protocol.send(AddRequests(stream.stream_id, [self._portable(r) for r in requests]))
         return stream
+
+    def _portable(self, request: Request) -> Request:
+        """The request as it crosses the pipe. A compiled grammar does not pickle: it goes as JSON
+        the first time its spec does, which the engine caches, so that the engine never compiles
+        (a compile would stall its steps); later requests of the spec carry none."""
+        if request.grammar is None:
+            return request
+        key = spec_key(request.params.structured_outputs)
+        if key in self._grammars_sent:
+            return replace(request, grammar=None)
+        self._grammars_sent.add(key)
+        return replace(request, grammar=serialize(request.grammar))
 
     def abort(self, stream: RequestStream):
         """Finish the stream's unfinished requests (their blocks return to the pool) and stop

@@ -4,6 +4,7 @@ makes the outputs valid; a mixed batch under preemption keeps every row correct.
 import json
 import re
 
+import numpy as np
 import pytest
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
@@ -106,3 +107,24 @@ def test_grammar_compiled_once_per_spec(llm):
     first = grammars.compile(params.structured_outputs)
     assert grammars.compile(again.structured_outputs) is first
     assert len(grammars.compiled) == before
+
+
+def test_a_serialized_grammar_loads_as_the_compiled_one(llm):
+    """The server sends its compile to the engine's process as JSON (grammar.serialize): the
+    engine's Grammars caches what it reads, and its matchers allow what the compiled one's do."""
+    from nanovllm.engine.grammar import Grammars, fill_bitmask, serialize
+
+    grammars = llm.llm_engine.grammars
+    spec = structured(regex=r"[a-c]{3}\d")
+    compiled = grammars.compile(spec)
+    other = Grammars(grammars.tokenizer, grammars.vocab_size, set(grammars.eos_token_ids))
+    loaded = other.load(spec, serialize(compiled))
+    assert other.load(spec, "not read: the spec is cached") is loaded
+    states = [grammars.matcher(compiled), other.matcher(loaded)]
+    for _ in range(5):  # three letters, a digit, then only the end
+        masks = [fill_bitmask([state], grammars.vocab_size) for state in states]
+        assert np.array_equal(masks[0], masks[1])
+        allowed = np.flatnonzero(np.unpackbits(masks[0].view(np.uint8), bitorder="little"))
+        assert 0 < len(allowed) < grammars.vocab_size
+        assert all(state.accept(int(allowed[0])) for state in states)
+    assert all(state.is_terminated for state in states)
