@@ -1,6 +1,7 @@
 """LLM: the front users call. It checks every request and hands it to one engine in this process
 (engine/) or to engine replicas on Ray (ray/); both build outputs one way (engine/outputs.py)."""
 
+import inspect
 from collections.abc import Callable, Iterator
 from itertools import count
 from time import perf_counter
@@ -23,11 +24,13 @@ def _is_conversation(messages) -> bool:
         for m in messages)
 
 
-def conversation_prompts(tokenizer, messages, chat_template: str | None = None,
-                         add_generation_prompt: bool = True) -> list[list[int]]:
-    """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered by the
-    chat template (the tokenizer's, or `chat_template`) with the assistant's turn opened, as
-    token ids."""
+def conversation_texts(tokenizer, messages, chat_template: str | None = None,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False,
+                       chat_template_kwargs: dict | None = None) -> list[str]:
+    """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered as text
+    by the chat template (the tokenizer's, or `chat_template`): the assistant's turn opened, or
+    with `continue_final_message` the last message left open; `chat_template_kwargs` reach the
+    template (Qwen3's {"enable_thinking": False})."""
     is_one = isinstance(messages, list) and messages and isinstance(messages[0], dict)
     conversations = [messages] if is_one else messages
     if not isinstance(conversations, (list, tuple)) or not conversations:
@@ -37,11 +40,37 @@ def conversation_prompts(tokenizer, messages, chat_template: str | None = None,
         if not _is_conversation(conversation):
             raise TypeError(f"conversation {i} must be a non-empty list of "
                             f"{{'role': str, 'content': str}} dicts, got {conversation!r}")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true: "
+                         "continuing the last message opens no new turn")
+    kwargs = _template_kwargs(tokenizer, chat_template_kwargs)
+    return [tokenizer.apply_chat_template(
+        list(c), chat_template=chat_template, tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, **kwargs) for c in conversations]
+
+
+def conversation_prompts(tokenizer, messages, **options) -> list[list[int]]:
+    """conversation_texts (same options) as token ids."""
     # The chat template places the special tokens, so encoding adds none (as vLLM).
-    return [tokenizer.encode(
-        tokenizer.apply_chat_template(list(c), chat_template=chat_template, tokenize=False,
-                                      add_generation_prompt=add_generation_prompt),
-        add_special_tokens=False) for c in conversations]
+    return [tokenizer.encode(text, add_special_tokens=False)
+            for text in conversation_texts(tokenizer, messages, **options)]
+
+
+def _template_kwargs(tokenizer, chat_template_kwargs) -> dict:
+    """chat_template_kwargs checked: a dict of names the template reads, none of them one of
+    apply_chat_template's own arguments."""
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, dict) or not all(
+            isinstance(k, str) for k in chat_template_kwargs):
+        raise TypeError("chat_template_kwargs must be a dict of str -> value, got "
+                        f"{chat_template_kwargs!r}")
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    if taken := sorted(own & set(chat_template_kwargs)):
+        raise ValueError(f"chat_template_kwargs {taken} are apply_chat_template's own arguments, "
+                         "not the template's; pass them by their own names")
+    return chat_template_kwargs
 
 
 def _as_token_prompts(prompt_token_ids) -> list:
@@ -166,11 +195,15 @@ class LLM:
     def chat(self, messages, sampling_params=None,
              use_tqdm: bool | Callable[..., tqdm] = True, lora_request=None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              ) -> list[RequestOutput]:
-        """Reply to one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        """Reply to one conversation (a list of {"role", "content"} dicts) or a list of them;
+        the template's options as conversation_texts takes them."""
         self.llm_engine.check_alive()
-        prompts = conversation_prompts(self.tokenizer, messages, chat_template,
-                                       add_generation_prompt)
+        prompts = conversation_prompts(self.tokenizer, messages, chat_template=chat_template,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       chat_template_kwargs=chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stream(self, prompts, sampling_params) -> Iterator[StreamOutput]:

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions, /health and
-/metrics, over one engine in a process of its own (an EngineClient)."""
+"""The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions, /health,
+/metrics and vLLM's /tokenize, /detokenize and /tokenizer_info, over one engine in a process of
+its own (an EngineClient)."""
 
 import asyncio
 import secrets
@@ -11,13 +12,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
-from nanovllm.llm import conversation_prompts
+from nanovllm.serve import tokenization
 from nanovllm.serve.engine_client import EngineClient, EngineStopped, RequestStream
 from nanovllm.serve.metrics import ServerMetrics
 from nanovllm.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     parse_request,
@@ -26,7 +28,7 @@ from nanovllm.serve.responses import (
     ChoiceAccumulator,
     TokenText,
     chat_logprobs_count,
-    chat_messages,
+    chat_prompt,
     check_supported,
     completion_prompt_logprobs,
     sampling_params,
@@ -65,9 +67,11 @@ class ServerState:
         return None
 
 
-def build_app(engine: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
+              tokenizer_info: bool = False) -> FastAPI:
     """The app over a started engine: the app's lifespan hands it the event loop, and its end
-    stops the engine (the process exits)."""
+    stops the engine (the process exits). GET /tokenizer_info only with `tokenizer_info` (as
+    vLLM: it shows the chat template)."""
     state = ServerState(engine, model_name, api_key)
 
     @asynccontextmanager
@@ -83,6 +87,7 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None)
     app.state.server = state
     _add_guards(app, state)
     _add_routes(app, state)
+    _add_tokenizer_routes(app, state, tokenizer_info)
     return app
 
 
@@ -165,6 +170,27 @@ def _add_routes(app: FastAPI, state: ServerState):
         return chat_response(state, body, stream, results)
 
 
+def _add_tokenizer_routes(app: FastAPI, state: ServerState, info: bool):
+    tokenizer, limits = state.engine.tokenizer, state.engine.limits
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = tokenization.parse_tokenize(await request.body())
+        _check_model(state, body.model)
+        return tokenization.tokenize(body, tokenizer, limits)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = parse_request(DetokenizeRequest, await request.body())
+        _check_model(state, body.model)
+        return tokenization.detokenize(body, tokenizer, limits)
+
+    if info:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            return JSONResponse(tokenization.tokenizer_info(tokenizer))
+
+
 def _check_model(state: ServerState, model: str | None):
     if model is not None and model != state.model_name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
@@ -202,13 +228,9 @@ def _submit_completion(state: ServerState, body: CompletionRequest):
 def _submit_chat(state: ServerState, body: ChatCompletionRequest) -> RequestStream:
     _check_model(state, body.model)
     check_supported(body)
-    messages = chat_messages(body)
-    try:
-        (token_ids,) = conversation_prompts(state.engine.tokenizer, messages)
-    except (ValueError, TypeError) as e:
-        raise APIError(400, str(e), "messages") from None
-    except Exception as e:  # the template itself refused (jinja's raise_exception)
-        raise APIError(400, f"the chat template failed: {e}", "messages") from None
+    # The chat template places the special tokens, so encoding adds none (as vLLM).
+    token_ids = state.engine.tokenizer.encode(chat_prompt(body, state.engine.tokenizer),
+                                              add_special_tokens=False)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = _rest_of_context(state, len(token_ids))

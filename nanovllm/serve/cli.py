@@ -69,6 +69,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser):
         help="the model's name in requests and /v1/models (default: MODEL as given)")
     add("--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them")
+    add("--enable-tokenizer-info-endpoint", action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's config and chat template), which "
+             "lm-eval's local-completions needs to tokenize through the server")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(parser)
 
@@ -83,7 +86,8 @@ def engine_options(args: argparse.Namespace) -> dict:
 def serve_parser(prog: str = "nanovllm serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="An OpenAI-compatible server (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics) over one nanovllm engine.")
+        "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize) over one "
+        "nanovllm engine.")
     add_serve_arguments(parser)
     return parser
 
@@ -102,7 +106,8 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.se
     with engine:
         server = make_server(engine, args.served_model_name or args.model, args.host, args.port,
                              api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
-                             log_level=args.log_level)
+                             log_level=args.log_level,
+                             tokenizer_info=args.enable_tokenizer_info_endpoint)
         server.run()
 
 

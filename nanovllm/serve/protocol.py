@@ -28,8 +28,8 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     # Not supported: refused with a 400 when set, rather than silently ignored.
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     # vLLM's extensions.
     top_k: int | None = None
@@ -40,6 +40,8 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     return_token_ids: bool = False  # each choice (or chunk) also carries its token ids
 
 
@@ -59,16 +61,59 @@ class ChatMessage(_Request):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions: messages rendered by the model's chat template."""
+class _ChatTemplateFields(_Request):
+    """How the chat template renders the messages (vLLM's fields; LLM.chat's arguments)."""
 
     messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message left open, for the model to go on
+    chat_template_kwargs: dict[str, Any] | None = None  # read by the template
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    """POST /v1/chat/completions: messages rendered by the model's chat template."""
+
     max_tokens: int | None = None  # default: the rest of the context
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+
+
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize with a prompt (vLLM's endpoint)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_ChatTemplateFields):
+    """POST /tokenize with messages: the prompt a chat completion would be given."""
+
+    model: str | None = None
+    add_special_tokens: bool = False  # the template places them
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's endpoint)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class Usage(BaseModel):

@@ -1,6 +1,7 @@
 """From OpenAI requests to the engine's SamplingParams, and from the engine's deltas to OpenAI's
 choices: the one place the wire format meets the engine's outputs."""
 
+from nanovllm.llm import conversation_texts
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serve.messages import ChoiceDelta
 from nanovllm.serve.protocol import (
@@ -22,15 +23,13 @@ from nanovllm.serve.protocol import (
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                    "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-                   "skip_special_tokens")
+                   "skip_special_tokens", "allowed_token_ids", "bad_words")
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM's floor
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def check_supported(request):
     """A 400 for a field the engine cannot honour, rather than an answer that ignores it."""
-    if request.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
     if request.best_of is not None and request.best_of != request.n:
         raise APIError(400, "best_of other than n is not supported", "best_of")
     if getattr(request, "suffix", None):
@@ -52,7 +51,22 @@ def sampling_params(request, max_tokens: int, logprobs: int | None,
     structured = structured_outputs(getattr(request, "response_format", None))
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs, structured_outputs=structured,
-                          **fields)
+                          logit_bias=logit_bias(request.logit_bias), **fields)
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, its token ids JSON's string keys, with int keys (SamplingParams checks
+    the ids against the vocabulary and the biases against [-100, 100])."""
+    if not bias:
+        return None
+    by_id = {}
+    for key, value in bias.items():
+        try:
+            by_id[int(key)] = value
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
+                           "logit_bias") from None
+    return by_id
 
 
 def completion_prompt_logprobs(request) -> int | None:
@@ -97,6 +111,21 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict]:
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
     return messages
+
+
+def chat_prompt(request, tokenizer) -> str:
+    """The request's messages rendered by the chat template with its options (a chat completion
+    or a /tokenize request); a 400 naming what the template or the options refused."""
+    try:
+        (text,) = conversation_texts(
+            tokenizer, chat_messages(request), add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), "messages") from None
+    except Exception as e:  # the template itself refused (jinja's raise_exception)
+        raise APIError(400, f"the chat template failed: {e}", "messages") from None
+    return text
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:

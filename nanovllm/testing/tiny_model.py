@@ -7,9 +7,13 @@ import os
 # A byte-level vocabulary plus special tokens, padded to a size every TP size up to 8 divides.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB_SIZE = 320
+# Qwen3's layout, and its switch: enable_thinking=False (a chat_template_kwargs entry) opens the
+# assistant's turn with an empty think block.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
 )
 
 # Published architectures (the fields of their config.json).

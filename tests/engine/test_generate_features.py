@@ -202,6 +202,25 @@ def test_chat_applies_the_template(llm, monkeypatch):
         llm.chat([conversations[0], [{"role": "user"}]], params)
 
 
+def test_chat_template_options_as_vllm_takes_them(llm, monkeypatch):
+    """continue_final_message leaves the last message open; chat_template_kwargs reach the
+    template (the tiny template's Qwen3 enable_thinking switch)."""
+    seen = []
+    monkeypatch.setattr(llm, "generate", lambda prompts, *args: seen.extend(prompts))
+    partial = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    llm.chat(partial, add_generation_prompt=False, continue_final_message=True)
+    llm.chat(partial[:1], chat_template_kwargs={"enable_thinking": False})
+    assert [llm.tokenizer.decode(ids) for ids in seen] == [
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon",
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
+    with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message"):
+        llm.chat(partial, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"\['tokenize'\] are apply_chat_template's own"):
+        llm.chat(partial, chat_template_kwargs={"tokenize": True, "enable_thinking": True})
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        llm.chat(partial, chat_template_kwargs=["enable_thinking"])
+
+
 def collect(stream) -> dict[int, dict]:
     merged: dict[int, dict] = {}
     for out in stream:

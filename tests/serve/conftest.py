@@ -23,7 +23,8 @@ def llm(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    with ServerThread(tiny_model, MODEL_NAME, engine_options=ENGINE_OPTIONS) as server:
+    with ServerThread(tiny_model, MODEL_NAME, engine_options=ENGINE_OPTIONS,
+                      tokenizer_info=True) as server:
         yield server
 
 

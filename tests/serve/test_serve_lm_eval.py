@@ -33,10 +33,30 @@ def local_completions(server, tiny_model, llm):
         timeout=int(REQUEST_TIMEOUT))
 
 
-def test_local_completions_loglikelihood_equals_offline(local_completions, llm):
+@pytest.fixture(scope="module")
+def remote_tokenizer_completions(server, llm):
+    """lm-eval's client left to its defaults: it finds /tokenizer_info and /tokenize and
+    tokenizes through the server, with no tokenizer of its own."""
+    return LocalCompletionsAPI(
+        base_url=f"{server.url}/v1/completions", model=MODEL_NAME,
+        max_length=llm.llm_engine.limits.max_model_len, num_concurrent=1, max_retries=1,
+        timeout=int(REQUEST_TIMEOUT))
+
+
+def assert_loglikelihoods_equal_offline(model, llm):
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(PAIRS)]
-    served = local_completions.loglikelihood(requests, disable_tqdm=True)
+    served = model.loglikelihood(requests, disable_tqdm=True)
     offline = NanoVLLM(llm).loglikelihood(requests, disable_tqdm=True)
     worst = max(abs(s[0] - o[0]) for s, o in zip(served, offline))
     assert worst <= TOLERANCE, (worst, served, offline)
     assert [s[1] for s in served] == [o[1] for o in offline]
+
+
+def test_local_completions_loglikelihood_equals_offline(local_completions, llm):
+    assert_loglikelihoods_equal_offline(local_completions, llm)
+
+
+def test_remote_tokenizer_loglikelihood_equals_offline(remote_tokenizer_completions, llm):
+    assert remote_tokenizer_completions.tokenizer_backend == "remote"
+    assert remote_tokenizer_completions.eot_token_id == llm.tokenizer.eos_token_id
+    assert_loglikelihoods_equal_offline(remote_tokenizer_completions, llm)
