@@ -1,11 +1,16 @@
-"""lm-eval's `local-completions` model against the server: the loglikelihoods of the offline
-engine (nanovllm.lm_eval over the same LLM), through echo with logprobs."""
+"""lm-eval's API models against the server: `local-completions`' loglikelihoods are the offline
+engine's (nanovllm.lm_eval over the same LLM), through echo with logprobs, whether it tokenizes
+itself or through the server; `local-chat-completions`' generations are offline chat's."""
+
+import json
 
 import pytest
 from conftest import MODEL_NAME, REQUEST_TIMEOUT
 from lm_eval.api.instance import Instance
-from lm_eval.models.openai_completions import LocalCompletionsAPI
+from lm_eval.models.api_models import JsonChatStr
+from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
 
+from nanovllm import SamplingParams
 from nanovllm.lm_eval import NanoVLLM
 
 pytestmark = pytest.mark.cpu_suite
@@ -60,3 +65,19 @@ def test_remote_tokenizer_loglikelihood_equals_offline(remote_tokenizer_completi
     assert remote_tokenizer_completions.tokenizer_backend == "remote"
     assert remote_tokenizer_completions.eot_token_id == llm.tokenizer.eos_token_id
     assert_loglikelihoods_equal_offline(remote_tokenizer_completions, llm)
+
+
+def test_local_chat_completions_generate_until_equals_offline_chat(server, llm):
+    """lm-eval's chat model (messages as the task's JSON, greedy, the task's stop strings)."""
+    chat = LocalChatCompletion(base_url=f"{server.url}/v1/chat/completions", model=MODEL_NAME,
+                               num_concurrent=1, max_retries=1, timeout=int(REQUEST_TIMEOUT))
+    conversations = [[{"role": "user", "content": "Hello there"}],
+                     [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Question: 2 + 2 ="}]]
+    until = {"until": ["\n\n", "Question:"], "max_gen_toks": 12}
+    requests = [Instance("generate_until", {}, (JsonChatStr(json.dumps(c)), until), i)
+                for i, c in enumerate(conversations)]
+    served = chat.generate_until(requests, disable_tqdm=True)
+    params = SamplingParams(temperature=0, max_tokens=12, stop=until["until"])
+    offline = [out.outputs[0].text for out in llm.chat(conversations, params, use_tqdm=False)]
+    assert served == offline
