@@ -137,8 +137,11 @@ class EngineClient:
             message = channel.receive(self._sock)
         except EOFError:
             self.process.join()
-            raise RuntimeError("the engine process exited during start-up (exit code "
-                               f"{self.process.exitcode})") from None
+            raise RuntimeError(
+                f"the engine process exited during start-up (exit code {self.process.exitcode}); "
+                "its error is on stderr. The process is spawned and imports the main script: a "
+                "script that starts a server at import time must do it under "
+                "`if __name__ == '__main__':`") from None
         if isinstance(message, EngineFailed):
             raise message.error
         assert isinstance(message, EngineReady), message

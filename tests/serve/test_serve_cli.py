@@ -74,6 +74,20 @@ def test_an_engine_that_cannot_start_raises_its_error(tiny_model, tmp_path):
         EngineClient(str(tmp_path), ENGINE_OPTIONS)
 
 
+def test_a_script_without_a_main_guard_is_told_why_its_engine_exited(tiny_model, tmp_path):
+    """The engine's process is spawned and imports the main script: one that starts a server
+    at import time makes that process start another and exit; the error says what to do."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from nanovllm.serve.server import ServerThread\n"
+                      f"ServerThread({tiny_model!r}, engine_options={ENGINE_OPTIONS!r})\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=TIMEOUT, env={**os.environ, "PYTHONPATH": root})
+    assert result.returncode == 1
+    assert "the engine process exited during start-up" in result.stderr
+    assert "if __name__ == '__main__':" in result.stderr
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=5) as response:
