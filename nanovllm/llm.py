@@ -26,11 +26,12 @@ def _is_conversation(messages) -> bool:
 
 def conversation_texts(tokenizer, messages, chat_template: str | None = None,
                        add_generation_prompt: bool = True, continue_final_message: bool = False,
-                       chat_template_kwargs: dict | None = None) -> list[str]:
+                       chat_template_kwargs: dict | None = None,
+                       tools: list[dict] | None = None) -> list[str]:
     """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered as text
     by the chat template (the tokenizer's, or `chat_template`): the assistant's turn opened, or
     with `continue_final_message` the last message left open; `chat_template_kwargs` reach the
-    template (Qwen3's {"enable_thinking": False})."""
+    template (Qwen3's {"enable_thinking": False}), and so do `tools` (OpenAI's function tools)."""
     is_one = isinstance(messages, list) and messages and isinstance(messages[0], dict)
     conversations = [messages] if is_one else messages
     if not isinstance(conversations, (list, tuple)) or not conversations:
@@ -47,7 +48,8 @@ def conversation_texts(tokenizer, messages, chat_template: str | None = None,
     return [tokenizer.apply_chat_template(
         list(c), chat_template=chat_template, tokenize=False,
         add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, **kwargs) for c in conversations]
+        continue_final_message=continue_final_message, tools=tools, **kwargs)
+        for c in conversations]
 
 
 def conversation_prompts(tokenizer, messages, **options) -> list[list[int]]:
@@ -196,14 +198,14 @@ class LLM:
              use_tqdm: bool | Callable[..., tqdm] = True, lora_request=None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             ) -> list[RequestOutput]:
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"} dicts) or a list of them;
         the template's options as conversation_texts takes them."""
         self.llm_engine.check_alive()
         prompts = conversation_prompts(self.tokenizer, messages, chat_template=chat_template,
                                        add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message,
-                                       chat_template_kwargs=chat_template_kwargs)
+                                       chat_template_kwargs=chat_template_kwargs, tools=tools)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stream(self, prompts, sampling_params) -> Iterator[StreamOutput]:

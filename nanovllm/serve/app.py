@@ -25,6 +25,7 @@ from nanovllm.serve.protocol import (
     parse_request,
 )
 from nanovllm.serve.responses import (
+    ChatChoices,
     ChoiceAccumulator,
     TokenText,
     chat_logprobs_count,
@@ -39,6 +40,7 @@ from nanovllm.serve.streams import (
     completion_events,
     completion_response,
 )
+from nanovllm.serve.tools import tool_constraint, tool_mode
 
 
 @dataclass
@@ -49,6 +51,7 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     metrics: ServerMetrics = None
+    tool_parser: str | None = None  # tool_choice "auto" reads calls in this format
     draining: bool = False  # set on SIGTERM: new requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText = None
@@ -68,11 +71,11 @@ class ServerState:
 
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
-              tokenizer_info: bool = False) -> FastAPI:
+              tokenizer_info: bool = False, tool_parser: str | None = None) -> FastAPI:
     """The app over a started engine: the app's lifespan hands it the event loop, and its end
     stops the engine (the process exits). GET /tokenizer_info only with `tokenizer_info` (as
-    vLLM: it shows the chat template)."""
-    state = ServerState(engine, model_name, api_key)
+    vLLM: it shows the chat template); tool_choice "auto" only with a `tool_parser`."""
+    state = ServerState(engine, model_name, api_key, tool_parser=tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -163,11 +166,11 @@ def _add_routes(app: FastAPI, state: ServerState):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse_request(ChatCompletionRequest, await request.body())
-        stream = _submit_chat(state, body)
+        choices, stream = _submit_chat(state, body)
         if body.stream:
-            return _event_stream(chat_events(state, body, stream))
+            return _event_stream(chat_events(state, stream, choices))
         results = await _collect(request, state, stream)
-        return chat_response(state, body, stream, results)
+        return chat_response(state, stream, results, choices)
 
 
 def _add_tokenizer_routes(app: FastAPI, state: ServerState, info: bool):
@@ -225,9 +228,12 @@ def _submit_completion(state: ServerState, body: CompletionRequest):
     return prompts, token_lists, _submit(state, requests)
 
 
-def _submit_chat(state: ServerState, body: ChatCompletionRequest) -> RequestStream:
+def _submit_chat(state: ServerState,
+                 body: ChatCompletionRequest) -> tuple[ChatChoices, RequestStream]:
+    """Render, tokenize, check and queue a chat request: (how its choices read, its stream)."""
     _check_model(state, body.model)
     check_supported(body)
+    mode = tool_mode(body, state.tool_parser)
     # The chat template places the special tokens, so encoding adds none (as vLLM).
     token_ids = state.engine.tokenizer.encode(chat_prompt(body, state.engine.tokenizer),
                                               add_special_tokens=False)
@@ -235,11 +241,12 @@ def _submit_chat(state: ServerState, body: ChatCompletionRequest) -> RequestStre
     if max_tokens is None:
         max_tokens = _rest_of_context(state, len(token_ids))
     try:
-        params = sampling_params(body, max_tokens, chat_logprobs_count(body))
+        params = sampling_params(body, max_tokens, chat_logprobs_count(body),
+                                 tool_constraint=tool_constraint(body, mode))
         requests = state.engine.make_requests([token_ids], params)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
-    return _submit(state, requests)
+    return ChatChoices(body, state.token_text, mode), _submit(state, requests)
 
 
 def _rest_of_context(state: ServerState, num_prompt_tokens: int) -> int:

@@ -9,6 +9,7 @@ import sys
 import types
 
 from nanovllm.config import Config, check_option_names, option_names
+from nanovllm.serve.tools import TOOL_CALL_PARSERS
 
 DEFAULT_PORT = 8000
 API_KEY_ENV = "NANOVLLM_API_KEY"
@@ -72,6 +73,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser):
     add("--enable-tokenizer-info-endpoint", action="store_true",
         help="serve GET /tokenizer_info (the tokenizer's config and chat template), which "
              "lm-eval's local-completions needs to tokenize through the server")
+    add("--enable-auto-tool-choice", action="store_true",
+        help='tool_choice "auto": read the model\'s own tool calls out of its text (needs '
+             "--tool-call-parser)")
+    add("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+        help="the format the model writes its tool calls in (hermes: Qwen2.5, Qwen3)")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(parser)
 
@@ -99,6 +105,8 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.se
     from nanovllm.serve.engine_client import EngineClient
     from nanovllm.serve.server import make_server  # fastapi and uvicorn: the [serve] extra
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     try:
         engine = EngineClient(args.model, engine_options(args))
     except (TypeError, ValueError, FileNotFoundError) as e:
@@ -107,7 +115,9 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.se
         server = make_server(engine, args.served_model_name or args.model, args.host, args.port,
                              api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
                              log_level=args.log_level,
-                             tokenizer_info=args.enable_tokenizer_info_endpoint)
+                             tokenizer_info=args.enable_tokenizer_info_endpoint,
+                             tool_parser=args.tool_call_parser if args.enable_auto_tool_choice
+                             else None)
         server.run()
 
 

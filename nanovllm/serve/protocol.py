@@ -42,6 +42,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
     return_token_ids: bool = False  # each choice (or chunk) also carries its token ids
 
 
@@ -55,10 +56,44 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the arguments as JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: str
     # A string, or OpenAI's list of parts of which only {"type": "text", "text": ...} are read.
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
 
 
 class _ChatTemplateFields(_Request):
@@ -68,6 +103,7 @@ class _ChatTemplateFields(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message left open, for the model to go on
     chat_template_kwargs: dict[str, Any] | None = None  # read by the template
+    tools: list[Tool] | None = None  # rendered by the template
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
@@ -77,7 +113,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    # Default: "auto" with tools, else "none" (as OpenAI and vLLM).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
 
@@ -163,7 +201,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -184,9 +223,14 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(ToolCall):
+    index: int  # the call's place among the choice's calls
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,6 +1,9 @@
 """From OpenAI requests to the engine's SamplingParams, and from the engine's deltas to OpenAI's
 choices: the one place the wire format meets the engine's outputs."""
 
+import dataclasses
+import json
+
 from nanovllm.llm import conversation_texts
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serve.messages import ChoiceDelta
@@ -15,9 +18,12 @@ from nanovllm.serve.protocol import (
     CompletionLogprobs,
     Delta,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from nanovllm.serve.tools import ToolCallStream, ToolMode, call_id, parse_tool_calls
 
 # Fields passed to SamplingParams under the same name when the request sets them.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -34,8 +40,6 @@ def check_supported(request):
         raise APIError(400, "best_of other than n is not supported", "best_of")
     if getattr(request, "suffix", None):
         raise APIError(400, "suffix is not supported", "suffix")
-    if getattr(request, "tools", None):
-        raise APIError(400, "tools are not supported", "tools")
     response_format = getattr(request, "response_format", None)
     if response_format and response_format.get("type", "text") not in RESPONSE_FORMATS:
         raise APIError(400, f"response_format type must be one of {', '.join(RESPONSE_FORMATS)}",
@@ -43,12 +47,20 @@ def check_supported(request):
 
 
 def sampling_params(request, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     """The request's sampling fields as SamplingParams; its own checks raise TypeError or
-    ValueError naming the field and the value (a 400)."""
+    ValueError naming the field and the value (a 400). At most one constraint: vLLM's
+    structured_outputs, response_format, or a tool choice's."""
     fields = {name: getattr(request, name) for name in SAMPLING_FIELDS
               if getattr(request, name) is not None}
-    structured = structured_outputs(getattr(request, "response_format", None))
+    given = {"structured_outputs": vllm_structured_outputs(request.structured_outputs),
+             "response_format": structured_outputs(getattr(request, "response_format", None)),
+             "tool_choice": tool_constraint}
+    given = {name: value for name, value in given.items() if value is not None}
+    if len(given) > 1:
+        raise APIError(400, f"{' and '.join(given)} each constrain the output: give one")
+    structured = next(iter(given.values()), None)
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs, structured_outputs=structured,
                           logit_bias=logit_bias(request.logit_bias), **fields)
@@ -67,6 +79,17 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
                            "logit_bias") from None
     return by_id
+
+
+def vllm_structured_outputs(fields: dict | None) -> StructuredOutputsParams | None:
+    """vLLM's `structured_outputs` request field: StructuredOutputsParams' fields as a dict."""
+    if fields is None:
+        return None
+    known = [f.name for f in dataclasses.fields(StructuredOutputsParams)]
+    if unknown := sorted(set(fields) - set(known)):
+        raise APIError(400, f"structured_outputs: unknown fields {unknown}; the fields are "
+                       f"{', '.join(known)}", "structured_outputs")
+    return StructuredOutputsParams(**fields)
 
 
 def completion_prompt_logprobs(request) -> int | None:
@@ -97,7 +120,9 @@ def chat_logprobs_count(request: ChatCompletionRequest) -> int | None:
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict]:
-    """The messages as {"role", "content": str} dicts for the chat template; text parts only."""
+    """The messages as {"role", "content": str} dicts for the chat template (text parts only),
+    with an assistant's tool calls (their JSON arguments as objects, as templates read them)
+    and a tool answer's call id."""
     messages = []
     for i, message in enumerate(request.messages):
         content = message.content
@@ -107,10 +132,25 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict]:
                 raise APIError(400, f"messages[{i}].content: only text parts "
                                "({'type': 'text', 'text': str}) are supported", "messages")
             content = "".join(part["text"] for part in content)
-        messages.append({"role": message.role, "content": content or ""})
+        entry = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+        for name in ("tool_call_id", "name"):
+            if getattr(message, name) is not None:
+                entry[name] = getattr(message, name)
+        messages.append(entry)
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
     return messages
+
+
+def _template_call(call: ToolCall) -> dict:
+    entry = call.model_dump()
+    try:
+        entry["function"]["arguments"] = json.loads(call.function.arguments)
+    except ValueError:
+        pass  # not JSON: the template gets the text
+    return entry
 
 
 def chat_prompt(request, tokenizer) -> str:
@@ -120,7 +160,8 @@ def chat_prompt(request, tokenizer) -> str:
         (text,) = conversation_texts(
             tokenizer, chat_messages(request), add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template_kwargs=request.chat_template_kwargs)
+            chat_template_kwargs=request.chat_template_kwargs,
+            tools=[t.model_dump(exclude_none=True) for t in request.tools or ()] or None)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # the template itself refused (jinja's raise_exception)
@@ -260,10 +301,13 @@ class CompletionChoices:
 
 
 class ChatChoices:
-    """One chat request's choices (whole) or chunk choices (deltas)."""
+    """One chat request's choices (whole) or chunk choices (deltas); under a tool mode, the text
+    read as tool calls (serve/tools.py)."""
 
-    def __init__(self, request: ChatCompletionRequest, token_text: TokenText):
-        self.request, self.token_text = request, token_text
+    def __init__(self, request: ChatCompletionRequest, token_text: TokenText,
+                 tool_mode: ToolMode | None = None):
+        self.request, self.token_text, self.tool_mode = request, token_text, tool_mode
+        self.tool_streams: dict[int, ToolCallStream] = {}
 
     def _logprobs(self, delta: ChoiceDelta) -> ChatLogprobs | None:
         if delta.logprobs is None:
@@ -273,9 +317,20 @@ class ChatChoices:
     def _token_ids(self, delta: ChoiceDelta) -> list[int] | None:
         return delta.token_ids if self.request.return_token_ids else None
 
+    def _finish_reason(self, delta: ChoiceDelta, calls: list) -> str | None:
+        """A call ends its choice with "tool_calls", as OpenAI's; a named function's with "stop"."""
+        if calls and delta.finish_reason == "stop" and self.tool_mode.kind != "named":
+            return "tool_calls"
+        return delta.finish_reason
+
     def choice(self, delta: ChoiceDelta) -> ChatChoice:
-        return ChatChoice(index=delta.index, message=AssistantMessage(content=delta.text),
-                          logprobs=self._logprobs(delta), finish_reason=delta.finish_reason,
+        content, calls = delta.text, []
+        if self.tool_mode is not None:
+            content, calls = parse_tool_calls(delta.text, self.tool_mode)
+        message = AssistantMessage(content=content, tool_calls=[
+            ToolCall(id=call_id(), function=call) for call in calls] or None)
+        return ChatChoice(index=delta.index, message=message, logprobs=self._logprobs(delta),
+                          finish_reason=self._finish_reason(delta, calls),
                           stop_reason=delta.stop_reason, token_ids=self._token_ids(delta))
 
     @staticmethod
@@ -284,6 +339,14 @@ class ChatChoices:
         return ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
 
     def chunk_choice(self, delta: ChoiceDelta) -> ChatChunkChoice:
-        return ChatChunkChoice(index=delta.index, delta=Delta(content=delta.text),
-                               logprobs=self._logprobs(delta), finish_reason=delta.finish_reason,
+        content, calls = delta.text, []
+        if self.tool_mode is not None:
+            stream = self.tool_streams.setdefault(delta.index, ToolCallStream(self.tool_mode))
+            content, calls = stream.feed(delta.text, delta.finish_reason is not None)
+        tool_calls = [ToolCallDelta(index=k, id=call_id(), function=call)
+                      for k, call in enumerate(calls)] or None
+        return ChatChunkChoice(index=delta.index,
+                               delta=Delta(content=content, tool_calls=tool_calls),
+                               logprobs=self._logprobs(delta),
+                               finish_reason=self._finish_reason(delta, calls),
                                stop_reason=delta.stop_reason, token_ids=self._token_ids(delta))

@@ -13,7 +13,6 @@ from nanovllm.serve.engine_client import EngineStopped, RequestStream
 from nanovllm.serve.protocol import (
     APIError,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
@@ -41,9 +40,8 @@ def completion_response(state, body: CompletionRequest, stream: RequestStream,
         usage=usage(stream.num_prompt_tokens, results.num_completion_tokens))
 
 
-def chat_response(state, body: ChatCompletionRequest, stream: RequestStream,
-                  results: ChoiceAccumulator) -> ChatCompletionResponse:
-    choices = ChatChoices(body, state.token_text)
+def chat_response(state, stream: RequestStream, results: ChoiceAccumulator,
+                  choices: ChatChoices) -> ChatCompletionResponse:
     return ChatCompletionResponse(
         id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name,
         choices=[choices.choice(results.whole(i)) for i in range(_num_choices(stream))],
@@ -60,14 +58,14 @@ async def completion_events(state, body: CompletionRequest, stream: RequestStrea
         yield event
 
 
-async def chat_events(state, body: ChatCompletionRequest,
-                      stream: RequestStream) -> AsyncIterator[str]:
-    """A chat completion's server-sent events: each choice's role, then its content deltas."""
-    choices = ChatChoices(body, state.token_text)
+async def chat_events(state, stream: RequestStream, choices: ChatChoices) -> AsyncIterator[str]:
+    """A chat completion's server-sent events: each choice's role, then its content deltas (and
+    its tool calls with its last)."""
     chunk = functools.partial(ChatCompletionChunk, id=f"chatcmpl-{uuid.uuid4().hex}",
                               created=int(time.time()), model=state.model_name)
     roles = chunk(choices=[choices.role_chunk_choice(i) for i in range(_num_choices(stream))])
-    async for event in _events(state, body, stream, chunk, choices.chunk_choice, roles):
+    async for event in _events(state, choices.request, stream, chunk, choices.chunk_choice,
+                               roles):
         yield event
 
 

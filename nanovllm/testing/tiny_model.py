@@ -7,11 +7,19 @@ import os
 # A byte-level vocabulary plus special tokens, padded to a size every TP size up to 8 divides.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB_SIZE = 320
-# Qwen3's layout, and its switch: enable_thinking=False (a chat_template_kwargs entry) opens the
-# assistant's turn with an empty think block.
+# Qwen3's layout, shortened: the tools listed in a system turn, an assistant's calls in Hermes
+# <tool_call> blocks, a tool's answer in a user turn; enable_thinking=False (a
+# chat_template_kwargs entry) opens the assistant's turn with an empty think block.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}\n{{ tool | tojson }}"
+    "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}\n<tool_call>\n"
+    "{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}"
 )

@@ -16,7 +16,7 @@ from conftest import ENGINE_OPTIONS
 from serve_helpers import TIMEOUT, wait_until
 
 from nanovllm.config import Config, option_names
-from nanovllm.serve.cli import engine_options, serve_parser
+from nanovllm.serve.cli import engine_options, serve_main, serve_parser
 from nanovllm.serve.server import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,6 +55,20 @@ def test_a_dict_option_takes_json():
             serve_parser().parse_args(["m", "--speculative-config", bad])
 
 
+def test_auto_tool_choice_needs_a_parser(capsys):
+    """Refused before any engine starts, as vLLM refuses it."""
+    with pytest.raises(SystemExit) as exit:
+        serve_main(["m", "--enable-auto-tool-choice"])
+    assert exit.value.code == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["m", "--tool-call-parser", "xml"])
+    args = serve_parser().parse_args(["m", "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "hermes"])
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")
+    assert engine_options(args) == {}
+
+
 def test_the_server_needs_a_tokenizer(tiny_model):
     from nanovllm.serve.engine_client import EngineClient
 
@@ -80,9 +94,8 @@ def test_a_script_without_a_main_guard_is_told_why_its_engine_exited(tiny_model,
     script = tmp_path / "unguarded.py"
     script.write_text("from nanovllm.serve.server import ServerThread\n"
                       f"ServerThread({tiny_model!r}, engine_options={ENGINE_OPTIONS!r})\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=TIMEOUT, env={**os.environ, "PYTHONPATH": root})
+                            timeout=TIMEOUT, env={**os.environ, "PYTHONPATH": ROOT})
     assert result.returncode == 1
     assert "the engine process exited during start-up" in result.stderr
     assert "if __name__ == '__main__':" in result.stderr

@@ -59,6 +59,10 @@ def test_missing_and_unsupported_fields(server):
     assert_error(*post(server, COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 50}), 400,
                  "logprobs", "50")
     assert_error(*post(server, COMPLETIONS, {"prompt": "x", "best_of": 3}), 400, "best_of")
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert_error(*post(server, CHAT, {"messages": [{"role": "user", "content": "x"}],
+                                      "tools": tools}), 400, '"auto"',
+                 "--enable-auto-tool-choice --tool-call-parser hermes")
     assert_error(*post(server, CHAT, {"messages": [{"role": "user", "content": "x"}],
                                       "top_logprobs": 2}), 400, "logprobs=true")
 

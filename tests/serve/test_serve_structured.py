@@ -2,6 +2,7 @@
 checkpoint's text is noise, so only the mask makes it JSON); a bad schema is a 400."""
 
 import json
+import re
 
 import pytest
 from conftest import MODEL_NAME
@@ -47,3 +48,22 @@ def test_a_bad_response_format_is_a_400(server, response_format, words):
     status, body = post(server, CHAT, {"model": MODEL_NAME, "messages": MESSAGES,
                                        "response_format": response_format})
     assert_error(status, body, 400, *words)
+
+
+def test_vllms_structured_outputs_field(client, server):
+    """vLLM's extra request field, on completions and chat alike."""
+    response = client.completions.create(
+        model=MODEL_NAME, prompt="Pick:", max_tokens=20, temperature=1.0, n=3, seed=2,
+        extra_body={"structured_outputs": {"regex": "(yes|no)-[0-9]{2}"}})
+    for choice in response.choices:
+        assert choice.finish_reason == "stop"
+        assert re.fullmatch("(yes|no)-[0-9]{2}", choice.text), choice.text
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=20,
+        extra_body={"structured_outputs": {"choice": ["red", "green"]}})
+    assert chat.choices[0].message.content in ("red", "green")
+    assert_error(*post(server, "/v1/completions", {"prompt": "x", "structured_outputs": {
+        "regexp": "a"}}), 400, "structured_outputs", "'regexp'")
+    assert_error(*post(server, CHAT, {"messages": MESSAGES, "structured_outputs": {"regex": "a"},
+                                      "response_format": {"type": "json_object"}}), 400,
+                 "structured_outputs and response_format")
