@@ -24,6 +24,7 @@ from nanovllm.serve.protocol import (
     ModelList,
     parse_request,
 )
+from nanovllm.serve.reasoning import prompt_thinking
 from nanovllm.serve.responses import (
     ChatChoices,
     ChoiceAccumulator,
@@ -52,6 +53,7 @@ class ServerState:
     api_key: str | None = None
     metrics: ServerMetrics = None
     tool_parser: str | None = None  # tool_choice "auto" reads calls in this format
+    reasoning_parser: str | None = None  # a thinking model's reasoning comes apart
     draining: bool = False  # set on SIGTERM: new requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText = None
@@ -71,11 +73,14 @@ class ServerState:
 
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
-              tokenizer_info: bool = False, tool_parser: str | None = None) -> FastAPI:
+              tokenizer_info: bool = False, tool_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app over a started engine: the app's lifespan hands it the event loop, and its end
     stops the engine (the process exits). GET /tokenizer_info only with `tokenizer_info` (as
-    vLLM: it shows the chat template); tool_choice "auto" only with a `tool_parser`."""
-    state = ServerState(engine, model_name, api_key, tool_parser=tool_parser)
+    vLLM: it shows the chat template); tool_choice "auto" only with a `tool_parser`; the
+    reasoning apart from the content only with a `reasoning_parser`."""
+    state = ServerState(engine, model_name, api_key, tool_parser=tool_parser,
+                        reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -234,9 +239,9 @@ def _submit_chat(state: ServerState,
     _check_model(state, body.model)
     check_supported(body)
     mode = tool_mode(body, state.tool_parser)
+    prompt = chat_prompt(body, state.engine.tokenizer)
     # The chat template places the special tokens, so encoding adds none (as vLLM).
-    token_ids = state.engine.tokenizer.encode(chat_prompt(body, state.engine.tokenizer),
-                                              add_special_tokens=False)
+    token_ids = state.engine.tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = _rest_of_context(state, len(token_ids))
@@ -246,7 +251,8 @@ def _submit_chat(state: ServerState,
         requests = state.engine.make_requests([token_ids], params)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
-    return ChatChoices(body, state.token_text, mode), _submit(state, requests)
+    thinking = prompt_thinking(prompt) if state.reasoning_parser else None
+    return ChatChoices(body, state.token_text, mode, thinking), _submit(state, requests)
 
 
 def _rest_of_context(state: ServerState, num_prompt_tokens: int) -> int:

@@ -9,6 +9,7 @@ import sys
 import types
 
 from nanovllm.config import Config, check_option_names, option_names
+from nanovllm.serve.reasoning import REASONING_PARSERS
 from nanovllm.serve.tools import TOOL_CALL_PARSERS
 
 DEFAULT_PORT = 8000
@@ -78,6 +79,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser):
              "--tool-call-parser)")
     add("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
         help="the format the model writes its tool calls in (hermes: Qwen2.5, Qwen3)")
+    add("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+        help="a thinking model's <think> block goes to the message's `reasoning`, apart from "
+             "its content (qwen3: Qwen3)")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(parser)
 
@@ -117,7 +121,7 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.se
                              log_level=args.log_level,
                              tokenizer_info=args.enable_tokenizer_info_endpoint,
                              tool_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                             else None)
+                             else None, reasoning_parser=args.reasoning_parser)
         server.run()
 
 

@@ -202,6 +202,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = None  # a thinking model's, with --reasoning-parser (vLLM's name)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -230,6 +231,7 @@ class ToolCallDelta(ToolCall):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -23,6 +23,7 @@ from nanovllm.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from nanovllm.serve.reasoning import ReasoningStream, split_reasoning
 from nanovllm.serve.tools import ToolCallStream, ToolMode, call_id, parse_tool_calls
 
 # Fields passed to SamplingParams under the same name when the request sets them.
@@ -301,13 +302,15 @@ class CompletionChoices:
 
 
 class ChatChoices:
-    """One chat request's choices (whole) or chunk choices (deltas); under a tool mode, the text
-    read as tool calls (serve/tools.py)."""
+    """One chat request's choices (whole) or chunk choices (deltas). With a reasoning parser
+    (`thinking`: prompt_thinking's answer) the reasoning comes apart from the content; under a
+    tool mode, the content is read as tool calls."""
 
     def __init__(self, request: ChatCompletionRequest, token_text: TokenText,
-                 tool_mode: ToolMode | None = None):
-        self.request, self.token_text, self.tool_mode = request, token_text, tool_mode
-        self.tool_streams: dict[int, ToolCallStream] = {}
+                 tool_mode: ToolMode | None = None, thinking: str | None = None):
+        self.request, self.token_text = request, token_text
+        self.tool_mode, self.thinking = tool_mode, thinking
+        self.streams: dict[int, tuple[ReasoningStream | None, ToolCallStream | None]] = {}
 
     def _logprobs(self, delta: ChoiceDelta) -> ChatLogprobs | None:
         if delta.logprobs is None:
@@ -324,10 +327,13 @@ class ChatChoices:
         return delta.finish_reason
 
     def choice(self, delta: ChoiceDelta) -> ChatChoice:
-        content, calls = delta.text, []
-        if self.tool_mode is not None:
-            content, calls = parse_tool_calls(delta.text, self.tool_mode)
-        message = AssistantMessage(content=content, tool_calls=[
+        reasoning, content, calls = None, delta.text, []
+        if self.thinking is not None:
+            reasoning, content = split_reasoning(content, self.thinking)
+            content = content or None
+        if self.tool_mode is not None and content is not None:
+            content, calls = parse_tool_calls(content, self.tool_mode)
+        message = AssistantMessage(content=content, reasoning=reasoning, tool_calls=[
             ToolCall(id=call_id(), function=call) for call in calls] or None)
         return ChatChoice(index=delta.index, message=message, logprobs=self._logprobs(delta),
                           finish_reason=self._finish_reason(delta, calls),
@@ -339,14 +345,19 @@ class ChatChoices:
         return ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
 
     def chunk_choice(self, delta: ChoiceDelta) -> ChatChunkChoice:
-        content, calls = delta.text, []
-        if self.tool_mode is not None:
-            stream = self.tool_streams.setdefault(delta.index, ToolCallStream(self.tool_mode))
-            content, calls = stream.feed(delta.text, delta.finish_reason is not None)
+        finished = delta.finish_reason is not None
+        reasoning_stream, tool_stream = self.streams.setdefault(delta.index, (
+            None if self.thinking is None else ReasoningStream(self.thinking),
+            None if self.tool_mode is None else ToolCallStream(self.tool_mode)))
+        reasoning, content, calls = None, delta.text, []
+        if reasoning_stream is not None:
+            reasoning, content = reasoning_stream.feed(content, finished)
+        if tool_stream is not None:
+            content, calls = tool_stream.feed(content, finished)
         tool_calls = [ToolCallDelta(index=k, id=call_id(), function=call)
                       for k, call in enumerate(calls)] or None
-        return ChatChunkChoice(index=delta.index,
-                               delta=Delta(content=content, tool_calls=tool_calls),
-                               logprobs=self._logprobs(delta),
-                               finish_reason=self._finish_reason(delta, calls),
-                               stop_reason=delta.stop_reason, token_ids=self._token_ids(delta))
+        return ChatChunkChoice(
+            index=delta.index,
+            delta=Delta(content=content, reasoning=reasoning or None, tool_calls=tool_calls),
+            logprobs=self._logprobs(delta), finish_reason=self._finish_reason(delta, calls),
+            stop_reason=delta.stop_reason, token_ids=self._token_ids(delta))

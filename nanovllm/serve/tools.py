@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.serve.protocol import APIError, ChatCompletionRequest, FunctionCall
+from nanovllm.serve.reasoning import held_tail
 
 TOOL_CALL_PARSERS = ("hermes",)
 START, END = "<tool_call>", "</tool_call>"
@@ -78,7 +79,8 @@ def tool_constraint(request: ChatCompletionRequest,
 
 
 def parse_tool_calls(text: str, mode: ToolMode) -> tuple[str | None, list[FunctionCall]]:
-    """(the content, the calls) of a choice's whole text; ([text], []) where it holds no call
+    """(the content, the calls) of a choice's whole text (the content before a call, without its
+    trailing white space, or None); (text, []) where it holds no call
     that parses (a text cut short by max_tokens, a model that wrote something else)."""
     try:
         if mode.kind == "named":
@@ -90,7 +92,8 @@ def parse_tool_calls(text: str, mode: ToolMode) -> tuple[str | None, list[Functi
         if start < 0:
             return text, []
         calls = [json.loads(block) for block in CALL.findall(text, start)]
-        return text[:start] or None, [_call(c["name"], c.get("arguments", {})) for c in calls]
+        content = text[:start].rstrip() or None
+        return content, [_call(c["name"], c.get("arguments", {})) for c in calls]
     except (ValueError, TypeError, KeyError, AttributeError):
         return text, []
 
@@ -129,11 +132,8 @@ class ToolCallStream:
         return content, []
 
     def _safe_end(self) -> int:
-        """Where the content that cannot be part of a call ends."""
+        """Where the content that cannot be part of a call ends (white space before a call is
+        not content: it waits too)."""
         start = self.text.find(START)
-        if start >= 0:
-            return start
-        for k in range(len(START) - 1, 0, -1):
-            if self.text.endswith(START[:k]):
-                return len(self.text) - k
-        return len(self.text)
+        end = start if start >= 0 else len(self.text) - held_tail(self.text, START)
+        return len(self.text[:end].rstrip())

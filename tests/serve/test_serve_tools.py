@@ -1,9 +1,11 @@
-"""Tool calling on /v1/chat/completions with the official client: required and named tool choices
-constrain the output to valid calls (the tiny checkpoint's text is noise: only the mask makes
-them), "auto" reads Hermes calls out of the text, whole and streamed alike; the tools and earlier
-calls reach the chat template; bad tool requests are 400s."""
+"""Tool calling and reasoning on /v1/chat/completions with the official client: required and named
+tool choices constrain the output to valid calls (the tiny checkpoint's text is noise: only the
+mask makes them), "auto" reads Hermes calls out of the text and the qwen3 reasoning parser its
+think block, whole and streamed alike; the tools and earlier calls reach the chat template; bad
+tool requests are 400s."""
 
 import json
+import re
 
 import pytest
 from conftest import ENGINE_OPTIONS, MODEL_NAME
@@ -36,7 +38,7 @@ HERMES = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
 def server(tiny_model):
     """The tools' JSON is a long prompt in the tiny vocabulary (a few characters a token)."""
     with ServerThread(tiny_model, MODEL_NAME, engine_options=OPTIONS,
-                      tool_parser="hermes") as server:
+                      tool_parser="hermes", reasoning_parser="qwen3") as server:
         yield server
 
 
@@ -50,13 +52,17 @@ def calls_of(message) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
 
 
-def streamed(client, **request) -> tuple[str | None, list[tuple[str, dict]], str]:
-    """(content, calls, finish reason) of a streamed one-choice answer, its deltas joined."""
+def streamed(client, reasoning: list | None = None,
+             **request) -> tuple[str | None, list[tuple[str, dict]], str]:
+    """(content, calls, finish reason) of a streamed one-choice answer, its deltas joined; the
+    reasoning deltas appended to `reasoning`."""
     content, calls, finish = None, {}, None
     for chunk in client.chat.completions.create(stream=True, **request):
         (choice,) = chunk.choices
         if choice.delta.content:
             content = (content or "") + choice.delta.content
+        if getattr(choice.delta, "reasoning", None) and reasoning is not None:
+            reasoning.append(choice.delta.reasoning)
         for call in choice.delta.tool_calls or []:
             assert call.id.startswith("call_") and call.type == "function"
             calls[call.index] = (call.function.name, json.loads(call.function.arguments))
@@ -94,11 +100,11 @@ def test_auto_reads_the_models_own_calls_whole_and_streamed(client):
     response = client.chat.completions.create(**request)
     (choice,) = response.choices
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "Checking.\n"
+    assert choice.message.content == "Checking."  # the white space before the call left out
     ((name, arguments),) = calls_of(choice.message)
     assert name == "get_weather"
     jsonschema.validate(arguments, WEATHER)
-    assert streamed(client, **request) == ("Checking.\n", [(name, arguments)], "tool_calls")
+    assert streamed(client, **request) == ("Checking.", [(name, arguments)], "tool_calls")
 
 
 def test_auto_without_a_call_is_the_text_as_offline_chat_with_tools(client, tiny_model):
@@ -143,3 +149,51 @@ def test_earlier_calls_and_answers_reach_the_template(server):
 ])
 def test_bad_tool_requests_are_400s(server, body, words):
     assert_error(*post(server, CHAT, {"messages": MESSAGES, **body}), 400, *words)
+
+
+@pytest.mark.parametrize("messages, text, reasoning, content", [
+    # The model opens its think block itself (Qwen3's own template).
+    (MESSAGES, "<think>\nweigh it\n</think>\n\nThe answer.", "\nweigh it\n", "\n\nThe answer."),
+    # The prompt opened it (here by continuing an assistant message that starts one).
+    (MESSAGES + [{"role": "assistant", "content": "<think>\n"}], "weigh it\n</think>\n\nDone.",
+     "weigh it\n", "\n\nDone."),
+])
+def test_reasoning_comes_apart_from_the_content(client, messages, text, reasoning, content):
+    continuing = messages[-1]["role"] == "assistant"
+    request = dict(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=120,
+                   extra_body={"structured_outputs": {"regex": re.escape(text)},
+                               "add_generation_prompt": not continuing,
+                               "continue_final_message": continuing})
+    (choice,) = client.chat.completions.create(**request).choices
+    assert (choice.message.reasoning, choice.message.content) == (reasoning, content)
+    assert choice.finish_reason == "stop"
+    pieces = []
+    assert streamed(client, pieces, **request) == (content, [], "stop")
+    assert "".join(pieces) == reasoning
+
+
+def test_reasoning_then_a_call(client):
+    thought = "<think>\nI should look it up.\n</think>\n\n"
+    request = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, temperature=0,
+                   max_tokens=240, extra_body={"structured_outputs": {
+                       "regex": re.escape(thought) + HERMES[len(r"Checking\.\n"):]}})
+    (choice,) = client.chat.completions.create(**request).choices
+    assert choice.message.reasoning == "\nI should look it up.\n"
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+    ((name, arguments),) = calls_of(choice.message)
+    assert name == "get_weather"
+    jsonschema.validate(arguments, WEATHER)
+    pieces = []
+    assert streamed(client, pieces, **request) == (None, [(name, arguments)], "tool_calls")
+    assert "".join(pieces) == choice.message.reasoning
+
+
+def test_thinking_switched_off_is_all_content(client):
+    """enable_thinking=False: the template closes an empty think block, so a <think> the model
+    writes is content."""
+    text = "<think>not reasoning</think>ok"
+    (choice,) = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=60,
+        extra_body={"structured_outputs": {"regex": re.escape(text)},
+                    "chat_template_kwargs": {"enable_thinking": False}}).choices
+    assert (choice.message.reasoning, choice.message.content) == (None, text)

@@ -1,5 +1,6 @@
-"""Tool calls read out of a choice's text: whole (parse_tool_calls) and streamed (ToolCallStream),
-which must agree however the text is cut into deltas."""
+"""A chat choice's text read as reasoning and content (split_reasoning, ReasoningStream) and as
+tool calls (parse_tool_calls, ToolCallStream): whole and streamed, which must agree however the
+text is cut into deltas."""
 
 import json
 
@@ -8,6 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanovllm.serve.protocol import FunctionCall
+from nanovllm.serve.reasoning import (
+    CLOSED,
+    OPEN,
+    OWN,
+    ReasoningStream,
+    prompt_thinking,
+    split_reasoning,
+)
 from nanovllm.serve.tools import ToolCallStream, ToolMode, parse_tool_calls
 
 AUTO, REQUIRED, NAMED = ToolMode("auto"), ToolMode("required"), ToolMode("named", "add")
@@ -22,7 +31,7 @@ def call(name: str, **arguments) -> FunctionCall:
 @pytest.mark.parametrize("text, content, calls", [
     ("no call here", "no call here", []),
     (WEATHER, None, [call("get_weather", city="Paris")]),
-    ("Let me check.\n" + WEATHER + "\n" + ADD, "Let me check.\n",
+    ("Let me check.\n" + WEATHER + "\n" + ADD, "Let me check.",
      [call("get_weather", city="Paris"), call("add", a=1, b=2)]),
     # Cut short after its JSON, before the end tag: still a call.
     ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', None, [call("add", a=1, b=2)]),
@@ -74,7 +83,8 @@ def test_a_stream_agrees_with_the_whole_text_however_cut(text, cuts):
 def test_a_tail_that_may_start_a_call_waits_for_the_next_delta():
     text = "Sure<tool_call>" + WEATHER[len("<tool_call>"):]
     assert streamed(text, [9, 20], AUTO)[2] == ["Sure", "", ""]
-    assert streamed("a <tool ticket", [7], AUTO)[2] == ["a ", "<tool ticket"]
+    # White space may come before a call, so it waits too.
+    assert streamed("a <tool ticket", [7], AUTO)[2] == ["a", " <tool ticket"]
 
 
 def test_required_and_named_streams_hold_everything_until_the_end():
@@ -83,3 +93,41 @@ def test_required_and_named_streams_hold_everything_until_the_end():
     assert pieces[:-1] == [None, None, None] and sent is None
     assert calls == [call("add", a=1, b=2)]
     assert streamed('{"a": 1', [3], NAMED)[:2] == ('{"a": 1', [])
+
+
+@pytest.mark.parametrize("text, thinking, reasoning, content", [
+    ("plain answer", OWN, None, "plain answer"),
+    ("<think>\nweigh it\n</think>\n\nYes.", OWN, "\nweigh it\n", "\n\nYes."),
+    ("weigh it</think>Yes.", OPEN, "weigh it", "Yes."),
+    ("still weighing", OPEN, "still weighing", ""),  # cut short while thinking
+    ("<think>still", OWN, "still", ""),
+    ("</think>Yes.", OPEN, None, "Yes."),
+    ("a <think> in passing", OWN, None, "a <think> in passing"),
+    ("<think>x</think>y", CLOSED, None, "<think>x</think>y"),  # thinking switched off
+])
+def test_reasoning_apart_from_content(text, thinking, reasoning, content):
+    assert split_reasoning(text, thinking) == (reasoning, content)
+
+
+def test_where_the_prompt_ends_says_where_the_output_starts():
+    assert prompt_thinking("<|im_start|>assistant\n<think>\n") == OPEN
+    assert prompt_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n") == CLOSED
+    # An earlier turn's think block does not count: only where the prompt ends.
+    assert prompt_thinking("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n") == OWN
+
+
+REASONED = ["<think>\nweigh it\n</think>\n\nYes.", "weigh it</think>Yes.", "plain",
+            "<thin", "<think>cut </thi", "a </think", "<t<think>x</think>"]
+
+
+@given(st.sampled_from(REASONED), st.sampled_from([OPEN, CLOSED, OWN]),
+       st.lists(st.integers(0, 40), max_size=6))
+def test_a_reasoning_stream_agrees_with_the_whole_text_however_cut(text, thinking, cuts):
+    stream = ReasoningStream(thinking)
+    bounds = [0, *sorted({c for c in cuts if c < len(text)}), len(text)]
+    reasoning = content = ""
+    for k, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        new_reasoning, new_content = stream.feed(text[start:end], finished=k == len(bounds) - 2)
+        reasoning, content = reasoning + new_reasoning, content + new_content
+    whole = split_reasoning(text, thinking)
+    assert (reasoning or None, content) == whole
