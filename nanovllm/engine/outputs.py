@@ -86,16 +86,17 @@ def stream_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]
     outputs = []
     for index, seq in list(pending.items()):
         num_tokens, num_chars = sent[index]
-        if seq.num_output_tokens == num_tokens and not seq.is_finished:
+        num_output, finished = seq.num_output_tokens, seq.is_finished
+        if num_output == num_tokens and not finished:
             continue
         text, holdback = seq.detokenizer.text, seq.detokenizer.holdback
-        end = len(text) if seq.is_finished else max(num_chars, len(text) - holdback)
-        sent[index] = (seq.num_output_tokens, end)
-        if seq.is_finished:
+        end = len(text) if finished else max(num_chars, len(text) - holdback)
+        sent[index] = (num_output, end)
+        if finished:
             del pending[index]
         start = seq.num_prompt_tokens + num_tokens
-        new_tokens = seq.token_ids[start:seq.num_prompt_tokens + seq.num_output_tokens]
+        new_tokens = seq.token_ids[start:seq.num_prompt_tokens + num_output]
         outputs.append(StreamOutput(prompt_of[index] - 1, text[num_chars:end], new_tokens,
-                                    seq.is_finished, seq.finish_reason, seq.stop_reason,
+                                    finished, seq.finish_reason, seq.stop_reason,
                                     seq.sample_index))
     return outputs

@@ -159,13 +159,13 @@ def _delta(stream_id: int, stream: EngineStream, out: StreamOutput) -> tuple:
     """A choice's news as StepOutputs carries it: (stream id, a ChoiceDelta's fields)."""
     choice = stream.choice_offsets[out.index] + out.sample
     seq = stream.seqs[choice]
-    num_new = len(out.token_ids)
+    num_new, num_output = len(out.token_ids), seq.num_output_tokens
     logprobs = None
     if seq.sampling_params.logprobs is not None:
-        start = seq.num_output_tokens - num_new
+        start = num_output - num_new
         logprobs = seq.logprobs[start:start + num_new]
     prompt_token_ids = prompt_logprobs = None
-    if seq.num_output_tokens == num_new:  # the choice's first delta
+    if num_output == num_new:  # the choice's first delta
         prompt_token_ids, prompt_logprobs = _prompt_logprobs(
             stream.seqs[stream.choice_offsets[out.index]])
     return (stream_id, choice, out.text, out.token_ids, logprobs, out.finish_reason,
