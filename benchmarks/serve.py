@@ -10,8 +10,9 @@ gone, run by LLM.generate here (one engine's KV pool on the device at a time).
     python -m benchmarks.serve --tiny --num-requests 64 --clients 64 --client-processes 1 \\
         --max-input-len 128 --max-output-len 64     # a CPU: the server's own cost per token
 
-Reports each side's output throughput and their ratio, and the server's time to first token and
-inter-token latency (p50, p99), measured by the clients.
+Reports each side's output throughput and their ratio, the server's time to first token and
+inter-token latency (p50, p99), measured by the clients, and the CPU time the engine's process and
+the server's took while serving: an engine process near a whole core is host-bound.
 """
 
 import argparse
@@ -107,24 +108,41 @@ def offline(model: str, engine_options: dict, prompts, params) -> tuple[int, flo
         return sum(p.max_tokens for p in params), time.perf_counter() - start
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User and system CPU seconds of a process (this one by default), all its threads (Linux)."""
+    if pid is None:
+        times = os.times()
+        return times.user + times.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def served(model: str, engine_options: dict, prompts, params, num_clients: int,
            num_processes: int):
     """The workload through the server, its clients spread over processes (round robin) so that
-    parsing the streams does not take the server's interpreter lock."""
+    parsing the streams does not take the server's interpreter lock. Returns (tokens, seconds,
+    time-to-first-token list, inter-token list, {process: CPU seconds while serving})."""
     work = list(zip(prompts, params))
     num_processes = min(num_processes, num_clients)
     with ServerThread(model, MODEL_NAME, engine_options) as server:
         asyncio.run(run_clients(server.url, [(prompts[0][:8], params[0])], 1))  # warm-up
         context = multiprocessing.get_context("spawn")
+        engine_pid = server.engine.process.pid
         with context.Pool(num_processes) as pool:
             start_at = time.time() + 5.0  # the processes import openai meanwhile
             shares = [(server.url, work[i::num_processes],
                        num_clients // num_processes + (i < num_clients % num_processes), start_at)
                       for i in range(num_processes)]
+            time.sleep(max(0.0, start_at - time.time()))
+            cpu_before = cpu_seconds(engine_pid), cpu_seconds()
             results = pool.map(client_process, shares)
             seconds = time.time() - start_at
+            cpu_after = cpu_seconds(engine_pid), cpu_seconds()
     tokens = sum(r[0] for r in results)
-    return tokens, seconds, [t for r in results for t in r[1]], [t for r in results for t in r[2]]
+    cpu = {"engine": cpu_after[0] - cpu_before[0], "server": cpu_after[1] - cpu_before[1]}
+    return (tokens, seconds, [t for r in results for t in r[1]], [t for r in results for t in r[2]],
+            cpu)
 
 
 def parse_args():
@@ -167,8 +185,8 @@ def main():
                                TINY_VOCAB_SIZE if args.tiny else None)
     model = tiny_model() if args.tiny else args.model or default_model()
     options = dict(max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
-    tokens, seconds, ttfts, itls = served(model, options, prompts, params, args.clients,
-                                          args.client_processes)
+    tokens, seconds, ttfts, itls, cpu = served(model, options, prompts, params, args.clients,
+                                               args.client_processes)
     offline_tokens, offline_seconds = offline(model, options, prompts, params)
     assert tokens == offline_tokens, (tokens, offline_tokens)
     offline_rate, served_rate = offline_tokens / offline_seconds, tokens / seconds
@@ -180,6 +198,9 @@ def main():
           f"p99 {percentile(ttfts, 99) * 1e3:.1f} ms (mean {statistics.mean(ttfts) * 1e3:.1f})")
     print(f"inter-token latency: p50 {percentile(itls, 50) * 1e3:.2f} ms, "
           f"p99 {percentile(itls, 99) * 1e3:.2f} ms")
+    print("CPU while serving: " + ", ".join(
+        f"{name} process {s:.1f} s ({s / seconds:.0%} of a core, {s / tokens * 1e6:.0f} us a token)"
+        for name, s in cpu.items()))
 
 
 if __name__ == "__main__":
