@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
@@ -74,11 +75,15 @@ class ServerState:
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
               tokenizer_info: bool = False, tool_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, chat_template: str | None = None,
+              cors: dict | None = None) -> FastAPI:
     """The app over a started engine: the app's lifespan hands it the event loop, and its end
     stops the engine (the process exits). GET /tokenizer_info only with `tokenizer_info` (as
     vLLM: it shows the chat template); tool_choice "auto" only with a `tool_parser`; the
-    reasoning apart from the content only with a `reasoning_parser`."""
+    reasoning apart from the content only with a `reasoning_parser`; chats rendered with
+    `chat_template` in place of the tokenizer's; `cors`: CORSMiddleware's arguments."""
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template  # the server renders every chat
     state = ServerState(engine, model_name, api_key, tool_parser=tool_parser,
                         reasoning_parser=reasoning_parser)
 
@@ -94,6 +99,8 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.state.server = state
     _add_guards(app, state)
+    if cors is not None:  # outside the guard: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, **cors)
     _add_routes(app, state)
     _add_tokenizer_routes(app, state, tokenizer_info)
     return app

@@ -27,6 +27,36 @@ def json_object(text: str) -> dict:
     return value
 
 
+def json_list(text: str) -> list:
+    """A flag's JSON list of strings (vLLM's `--allowed-origins '["http://localhost:3000"]'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text}")
+    return value
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's template: the file it names, or the text itself when it is Jinja; it
+    must compile (ValueError naming the problem)."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if os.path.isfile(value):
+        with open(value) as f:
+            value = f.read()
+    elif not any(mark in value for mark in ("{{", "{%")):
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    try:
+        ImmutableSandboxedEnvironment(extensions=[loopcontrols]).parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not compile: {e} (line {e.lineno})") from None
+    return value
+
+
 def flag_type(annotation):
     """The argparse type of a Config field: int, float, str or bool (`X | None` is X); a field
     that takes a dict takes a JSON object."""
@@ -71,6 +101,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser):
         help="the model's name in requests and /v1/models (default: MODEL as given)")
     add("--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them")
+    add("--chat-template", default=None,
+        help="a Jinja chat template (its file, or the template itself) to render chats with in "
+             "place of the tokenizer's")
+    add("--allowed-origins", type=json_list, default=["*"], metavar="JSON",
+        help='CORS: origins a browser may call from (default: ["*"], as vLLM)')
+    add("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    add("--allowed-methods", type=json_list, default=["*"], metavar="JSON",
+        help="CORS: methods (default: [\"*\"])")
+    add("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
+        help="CORS: headers (default: [\"*\"])")
     add("--enable-tokenizer-info-endpoint", action="store_true",
         help="serve GET /tokenizer_info (the tokenizer's config and chat template), which "
              "lm-eval's local-completions needs to tokenize through the server")
@@ -93,6 +133,12 @@ def engine_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def cors_options(args: argparse.Namespace) -> dict:
+    """Starlette's CORSMiddleware arguments from the CORS flags."""
+    return dict(allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+                allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
+
+
 def serve_parser(prog: str = "nanovllm serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="An OpenAI-compatible server (/v1/completions, "
@@ -112,6 +158,7 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.se
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     try:
+        chat_template = args.chat_template and load_chat_template(args.chat_template)
         engine = EngineClient(args.model, engine_options(args))
     except (TypeError, ValueError, FileNotFoundError) as e:
         parser.error(str(e))
@@ -121,7 +168,8 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m nanovllm.se
                              log_level=args.log_level,
                              tokenizer_info=args.enable_tokenizer_info_endpoint,
                              tool_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                             else None, reasoning_parser=args.reasoning_parser)
+                             else None, reasoning_parser=args.reasoning_parser,
+                             chat_template=chat_template, cors=cors_options(args))
         server.run()
 
 

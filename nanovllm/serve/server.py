@@ -44,8 +44,10 @@ class Server(uvicorn.Server):
 def make_server(engine: EngineClient, model_name: str, host: str, port: int,
                 api_key: str | None = None, shutdown_timeout: float = 30.0,
                 log_level: str = "info", tokenizer_info: bool = False,
-                tool_parser: str | None = None, reasoning_parser: str | None = None) -> Server:
-    app = build_app(engine, model_name, api_key, tokenizer_info, tool_parser, reasoning_parser)
+                tool_parser: str | None = None, reasoning_parser: str | None = None,
+                chat_template: str | None = None, cors: dict | None = None) -> Server:
+    app = build_app(engine, model_name, api_key, tokenizer_info, tool_parser, reasoning_parser,
+                    chat_template, cors)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     return Server(config, app.state.server)
