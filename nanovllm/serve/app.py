@@ -169,7 +169,9 @@ def _add_routes(app: FastAPI, state: ServerState):
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse_request(CompletionRequest, await request.body())
-        prompts, token_lists, stream = _submit_completion(state, body)
+        # On a thread: a new grammar compiles there, and the event loop goes on streaming.
+        prompts, requests = await asyncio.to_thread(_completion_requests, state, body)
+        stream = _submit(state, requests)
         if body.stream:
             return _event_stream(completion_events(state, body, stream, prompts))
         results = await _collect(request, state, stream)
@@ -178,7 +180,8 @@ def _add_routes(app: FastAPI, state: ServerState):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse_request(ChatCompletionRequest, await request.body())
-        choices, stream = _submit_chat(state, body)
+        choices, requests = await asyncio.to_thread(_chat_requests, state, body)
+        stream = _submit(state, requests)
         if body.stream:
             return _event_stream(chat_events(state, stream, choices))
         results = await _collect(request, state, stream)
@@ -221,8 +224,8 @@ def _as_prompt_list(prompt) -> list:
     return list(prompt)
 
 
-def _submit_completion(state: ServerState, body: CompletionRequest):
-    """Tokenize, check and queue a completion request: (its prompts, token lists, stream)."""
+def _completion_requests(state: ServerState, body: CompletionRequest) -> tuple[list, list]:
+    """Tokenize and check a completion request: (its prompts, its requests)."""
     _check_model(state, body.model)
     check_supported(body)
     prompts = _as_prompt_list(body.prompt)
@@ -237,12 +240,11 @@ def _submit_completion(state: ServerState, body: CompletionRequest):
         requests = state.engine.make_requests(token_lists, params)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
-    return prompts, token_lists, _submit(state, requests)
+    return prompts, requests
 
 
-def _submit_chat(state: ServerState,
-                 body: ChatCompletionRequest) -> tuple[ChatChoices, RequestStream]:
-    """Render, tokenize, check and queue a chat request: (how its choices read, its stream)."""
+def _chat_requests(state: ServerState, body: ChatCompletionRequest) -> tuple[ChatChoices, list]:
+    """Render, tokenize and check a chat request: (how its choices read, its requests)."""
     _check_model(state, body.model)
     check_supported(body)
     mode = tool_mode(body, state.tool_parser)
@@ -259,7 +261,7 @@ def _submit_chat(state: ServerState,
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     thinking = prompt_thinking(prompt) if state.reasoning_parser else None
-    return ChatChoices(body, state.token_text, mode, thinking), _submit(state, requests)
+    return ChatChoices(body, state.token_text, mode, thinking), requests
 
 
 def _rest_of_context(state: ServerState, num_prompt_tokens: int) -> int:

@@ -3,6 +3,7 @@ checkpoint's text is noise, so only the mask makes it JSON); a bad schema is a 4
 
 import json
 import re
+import threading
 
 import pytest
 from conftest import MODEL_NAME
@@ -67,3 +68,20 @@ def test_vllms_structured_outputs_field(client, server):
     assert_error(*post(server, CHAT, {"messages": MESSAGES, "structured_outputs": {"regex": "a"},
                                       "response_format": {"type": "json_object"}}), 400,
                  "structured_outputs and response_format")
+
+
+def test_requests_are_checked_off_the_event_loop(server, client, monkeypatch):
+    """make_requests (where a new grammar compiles, with the interpreter's lock released) runs on
+    a worker thread, so the event loop goes on streaming meanwhile."""
+    threads = []
+    make_requests = server.engine.make_requests
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return make_requests(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine, "make_requests", recording)
+    client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                   response_format={"type": "json_object"})
+    client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+    assert len(threads) == 2 and server.thread.name not in threads, threads
