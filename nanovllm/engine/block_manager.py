@@ -105,6 +105,8 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(cached)
         seq.num_cached_tokens = len(cached) * self.block_size
+        if seq.num_prefix_hit_tokens is None:  # not a preempted sequence's return
+            seq.num_prefix_hit_tokens = seq.num_cached_tokens
         for _ in range(seq.num_blocks - len(cached)):
             seq.block_table.append(self._take_free_block())
 

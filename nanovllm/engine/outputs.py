@@ -70,7 +70,8 @@ def request_output(request: Request, samples: list[Sequence], tokenizer) -> Requ
             for step, rank in zip(first.prompt_logprobs, first.prompt_logprob_ranks)]
     return RequestOutput(request.request_id, request.prompt,
                          first.token_ids[:first.num_prompt_tokens], prompt_logprobs,
-                         [completion_output(seq, tokenizer) for seq in samples], finished=True)
+                         [completion_output(seq, tokenizer) for seq in samples], finished=True,
+                         num_cached_tokens=first.num_prefix_hit_tokens or 0)
 
 
 def _decoder(tokenizer, params):

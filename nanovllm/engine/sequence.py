@@ -31,6 +31,9 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.block_size = block_size
         self.num_cached_tokens = 0
+        # The prompt tokens the prefix cache held when it was first given blocks (vLLM's
+        # RequestOutput.num_cached_tokens); None until then.
+        self.num_prefix_hit_tokens: int | None = None
         self.num_scheduled_tokens = 0  # tokens this step computes, from num_cached_tokens on
         self.num_inflight = 0  # trailing PLACEHOLDERs, counted in num_tokens like any token
         self.block_table: list[int] = []

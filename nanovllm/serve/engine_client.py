@@ -48,6 +48,7 @@ def merge_deltas(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
         if delta.logprobs is not None:
             into.logprobs = (into.logprobs or []) + delta.logprobs
         into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
+        into.num_cached_tokens += delta.num_cached_tokens
     return list(merged.values())
 
 

@@ -165,11 +165,14 @@ def _delta(stream_id: int, stream: EngineStream, out: StreamOutput) -> tuple:
         start = num_output - num_new
         logprobs = seq.logprobs[start:start + num_new]
     prompt_token_ids = prompt_logprobs = None
+    num_cached = 0
     if num_output == num_new:  # the choice's first delta
-        prompt_token_ids, prompt_logprobs = _prompt_logprobs(
-            stream.seqs[stream.choice_offsets[out.index]])
+        first = stream.seqs[stream.choice_offsets[out.index]]
+        prompt_token_ids, prompt_logprobs = _prompt_logprobs(first)
+        if out.sample == 0:  # the prompt's n samples share its cache hit: count it once
+            num_cached = first.num_prefix_hit_tokens or 0
     return (stream_id, choice, out.text, out.token_ids, logprobs, out.finish_reason,
-            out.stop_reason, prompt_token_ids, prompt_logprobs)
+            out.stop_reason, prompt_token_ids, prompt_logprobs, num_cached)
 
 
 def _prompt_logprobs(first: Sequence) -> tuple[list[int] | None, list | None]:

@@ -21,6 +21,8 @@ class ChoiceDelta:
     # and, for each but the first, {token_id: logprob} (the prompt token first, then the top k).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float]] | None = None
+    # The prompt's tokens found in the prefix cache: on the first delta of its first sample only.
+    num_cached_tokens: int = 0
 
 
 # Server -> engine.

@@ -154,10 +154,15 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # found in the prefix cache, not computed again
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -17,6 +17,7 @@ from nanovllm.serve.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    PromptTokensDetails,
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
@@ -170,9 +171,10 @@ def chat_prompt(request, tokenizer) -> str:
     return text
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                 total_tokens=num_prompt_tokens + num_completion_tokens)
+                 total_tokens=num_prompt_tokens + num_completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
 
 
 class TokenText:
@@ -249,9 +251,11 @@ class ChoiceAccumulator:
         self.logprobs: list[list[dict[int, float]] | None] = [None] * num_choices
         self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * num_choices
         self.prompts: list[tuple[list[int] | None, list | None]] = [(None, None)] * num_choices
+        self.num_cached_tokens = 0
 
     def add(self, delta: ChoiceDelta):
         i = delta.index
+        self.num_cached_tokens += delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompts[i] = (delta.prompt_token_ids, delta.prompt_logprobs)
         self.text[i] += delta.text

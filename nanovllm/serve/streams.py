@@ -37,7 +37,8 @@ def completion_response(state, body: CompletionRequest, stream: RequestStream,
     return CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name,
         choices=[choices.choice(results.whole(i)) for i in range(_num_choices(stream))],
-        usage=usage(stream.num_prompt_tokens, results.num_completion_tokens))
+        usage=usage(stream.num_prompt_tokens, results.num_completion_tokens,
+                    results.num_cached_tokens))
 
 
 def chat_response(state, stream: RequestStream, results: ChoiceAccumulator,
@@ -45,7 +46,8 @@ def chat_response(state, stream: RequestStream, results: ChoiceAccumulator,
     return ChatCompletionResponse(
         id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name,
         choices=[choices.choice(results.whole(i)) for i in range(_num_choices(stream))],
-        usage=usage(stream.num_prompt_tokens, results.num_completion_tokens))
+        usage=usage(stream.num_prompt_tokens, results.num_completion_tokens,
+                    results.num_cached_tokens))
 
 
 async def completion_events(state, body: CompletionRequest, stream: RequestStream,
@@ -73,16 +75,18 @@ async def _events(state, body, stream: RequestStream, chunk: Callable[..., BaseM
                   choice: Callable, first: BaseModel | None = None) -> AsyncIterator[str]:
     """`first`, a chunk per delta, the usage chunk when asked, then DONE; an engine that stops
     sends OpenAI's 503 error body instead."""
-    num_tokens = 0
+    num_tokens = num_cached = 0
     try:
         if first is not None:
             yield _event(first)
         while deltas := await stream.next_deltas():
             for delta in deltas:
                 num_tokens += len(delta.token_ids)
+                num_cached += delta.num_cached_tokens
                 yield _event(chunk(choices=[choice(delta)]))
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield _event(chunk(choices=[], usage=usage(stream.num_prompt_tokens, num_tokens)))
+            yield _event(chunk(choices=[], usage=usage(stream.num_prompt_tokens, num_tokens,
+                                                       num_cached)))
     except EngineStopped as e:
         yield _event(APIError(503, str(e)).body())
     finally:  # a client that left, or a cancelled task, aborts what is unfinished

@@ -75,9 +75,15 @@ def test_prefix_caching_off_recomputes_every_prompt(tiny_model, prompts):
     cached = 16 * ((len(prompt) - 1) // 16)
     for enabled, second_run in ((True, len(prompt) - cached), (False, len(prompt))):
         with LLM(tiny_model, enable_prefix_caching=enabled, **OPTIONS) as llm:
-            first = token_ids(llm.generate([prompt], GREEDY, use_tqdm=False))
-            assert token_ids(llm.generate([prompt], GREEDY, use_tqdm=False)) == first
+            (first,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+            (again,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, n=2,
+                                                              ignore_eos=True),
+                                    use_tqdm=False)
+            assert token_ids([again])[0] == token_ids([first])[0]
             assert llm.llm_engine.num_prefilled_tokens == len(prompt) + second_run
+            # vLLM's RequestOutput.num_cached_tokens: the prompt's prefix-cache hit.
+            assert (first.num_cached_tokens, again.num_cached_tokens) == (
+                0, len(prompt) - second_run)
 
 
 def test_the_trainers_calls(tiny_model, prompts):

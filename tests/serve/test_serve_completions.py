@@ -138,3 +138,17 @@ def test_a_stop_string_ends_the_choice(client):
     assert choice.finish_reason == "stop"
     assert choice.stop_reason == stop
     assert choice.text == text[:text.index(stop)]
+
+
+def test_usage_counts_the_prefix_cache_hit(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: the full 16-token blocks found in the
+    prefix cache, the last token always computed again; a prompt's n samples count it once."""
+    prompt = [(7 * i + 3) % 200 for i in range(40)]  # 40 tokens no other test sends
+    kwargs = dict(model=MODEL_NAME, max_tokens=2, temperature=0)
+    first = client.completions.create(prompt=prompt, **kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(prompt=[prompt, prompt[:35]], n=2, **kwargs)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32 + 32
+    chunks = list(client.completions.create(prompt=prompt, stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
