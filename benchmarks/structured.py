@@ -1,9 +1,12 @@
 """Structured outputs' cost per decode step: a grammar on every row against none, same run, at
-batch 1, 16 and 64. The grammar rows follow [a-z]{N}; the free rows then generate exactly as many
-tokens as each grammar row did (ignore_eos), so both runs take the same steps, and a step's time is
-a run's time over its longest row.
+batch 1, 16 and 64. The grammar rows follow a regex (default [a-z]+, as free text in a JSON
+string is) for up to --tokens tokens; the free rows then generate exactly as many tokens as each
+grammar row did (ignore_eos), so both runs take the same steps, and a step's time is a run's time
+over its longest row.
 
     python -m benchmarks.structured            # a GPU: the random Qwen3-0.6B, a full vocabulary
+    python -m benchmarks.structured --regex '[a-z]{64}'  # a bounded repetition: xgrammar's masks
+                                               # cost far more per row (BENCHMARKS.md)
     python -m benchmarks.structured --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf
     python -m benchmarks.structured            # a CPU: the tiny random Qwen3
 
@@ -50,11 +53,11 @@ def timed(llm: LLM, prompts, params) -> tuple[float, list[int]]:
     return time.perf_counter() - start, [len(o.outputs[0].token_ids) for o in outputs]
 
 
-def ms_a_step(llm: LLM, batch: int, letters: int) -> tuple[float, float]:
+def ms_a_step(llm: LLM, batch: int, regex: str, tokens: int) -> tuple[float, float]:
     """Milliseconds a step with and without a grammar on each of `batch` rows."""
     prompts = [[1 + (row % 200), 2, 3, 4] for row in range(batch)]
-    spec = StructuredOutputsParams(regex=f"[a-z]{{{letters}}}")
-    grammar = SamplingParams(temperature=1.0, max_tokens=letters + 1, structured_outputs=spec)
+    spec = StructuredOutputsParams(regex=regex)
+    grammar = SamplingParams(temperature=1.0, max_tokens=tokens, structured_outputs=spec)
     seconds, lengths = timed(llm, prompts, [grammar] * batch)
     free = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
     free_seconds, free_lengths = timed(llm, prompts, free)
@@ -66,7 +69,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a checkpoint (default: a tiny random Qwen3 on the CPU)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64, help="a grammar row's most tokens")
+    parser.add_argument("--regex", default="[a-z]+", help="the grammar rows' regex")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         model, options = args.model, {}
@@ -82,9 +86,10 @@ def main():
             model = folder
         with LLM(model, max_num_seqs=max(args.batches), max_model_len=args.tokens + 64,
                  **options) as llm:
+            print(f"grammar rows: regex {args.regex!r}, at most {args.tokens} tokens")
             print(f"{'batch':>5} {'no grammar ms':>14} {'grammar ms':>11} {'ratio':>6}")
             for batch in args.batches:
-                free, constrained = ms_a_step(llm, batch, args.tokens)
+                free, constrained = ms_a_step(llm, batch, args.regex, args.tokens)
                 print(f"{batch:>5} {free:>14.3f} {constrained:>11.3f} {constrained / free:>6.2f}")
 
 
