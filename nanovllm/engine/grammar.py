@@ -168,10 +168,6 @@ class GrammarState:
         """The grammar has ended (it accepted a stop token)."""
         return self.matcher.is_terminated()
 
-    def fill(self, bitmask, row: int):
-        """Row `row` of bitmask [rows, words] int32 <- the tokens allowed next."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
 
 def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> np.ndarray:
     """[len(states), words] int32: each state's allowed next tokens, a bit per token; a None

@@ -28,47 +28,37 @@ def prompt_thinking(prompt: str) -> str:
 def split_reasoning(text: str, thinking: str) -> tuple[str | None, str]:
     """(reasoning, content) of a whole output; `thinking`: prompt_thinking's answer. Cut short
     before </think>, it is all reasoning."""
-    if thinking == CLOSED:
-        return None, text
-    if thinking == OWN:
-        if not text.startswith(THINK):
-            return None, text
-        text = text[len(THINK):]
-    reasoning, _, content = text.partition(END_THINK)
+    reasoning, content = ReasoningStream(thinking).feed(text, finished=True)
     return reasoning or None, content
 
 
 class ReasoningStream:
-    """One choice's output as it streams: reasoning passed on until </think> (a tail that could
-    begin a tag waits), then content. What it sends joins up to split_reasoning's answer."""
+    """One choice's output as it streams: reasoning passed on until </think>, then content. A
+    tail that could begin a tag waits for the next delta; nothing else is kept, so each delta
+    costs its own length."""
 
     def __init__(self, thinking: str):
-        self.thinking = thinking
-        self.text = ""
-        self.sent = [0, 0]  # characters of reasoning and of content sent
+        # "start": the output may open a block; then "reasoning" until </think>, then "content".
+        self.phase = {OPEN: "reasoning", CLOSED: "content", OWN: "start"}[thinking]
+        self.held = ""  # text not sent yet: it may be part of a tag
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
-        """(new reasoning, new content) to send now."""
-        self.text += text
-        reasoning, content = self._visible() if not finished else split_reasoning(
-            self.text, self.thinking)
-        reasoning = reasoning or ""
-        new = reasoning[self.sent[0]:], content[self.sent[1]:]
-        self.sent = [len(reasoning), len(content)]
-        return new
-
-    def _visible(self) -> tuple[str, str]:
-        """What of the reasoning and the content is certain so far."""
-        text = self.text
-        if self.thinking == CLOSED:
-            return "", text
-        if self.thinking == OWN:
-            if THINK.startswith(text):
-                return "", ""  # maybe the start of <think>
-            if not text.startswith(THINK):
-                return "", text
-            text = text[len(THINK):]
-        end = text.find(END_THINK)
-        if end >= 0:
-            return text[:end], text[end + len(END_THINK):]
-        return text[:len(text) - held_tail(text, END_THINK)], ""
+        """(new reasoning, new content) to send now; with the last delta, all that is left."""
+        text, self.held = self.held + text, ""
+        reasoning = ""
+        if self.phase == "start":
+            if THINK.startswith(text) and not finished:
+                self.held = text  # maybe the start of <think>
+                return "", ""
+            self.phase = "reasoning" if text.startswith(THINK) else "content"
+            if self.phase == "reasoning":
+                text = text[len(THINK):]
+        if self.phase == "reasoning":
+            end = text.find(END_THINK)
+            if end < 0:
+                keep = 0 if finished else held_tail(text, END_THINK)
+                self.held = text[len(text) - keep:]
+                return text[:len(text) - keep], ""
+            reasoning, text = text[:end], text[end + len(END_THINK):]
+            self.phase = "content"
+        return reasoning, text

@@ -111,29 +111,28 @@ def call_id() -> str:
 
 class ToolCallStream:
     """One choice's text as it streams under a tool mode. "auto" passes the content on until a
-    call may begin (a tail that could start the tag waits for the next delta); "required" and
-    "named" hold everything. The last delta brings what is left and the calls."""
+    call may begin (a tail that could start the tag, and white space before it, wait for the
+    next delta); "required" and "named" hold everything. The last delta brings what is left and
+    the calls, parsed from the whole text once."""
 
     def __init__(self, mode: ToolMode):
         self.mode = mode
         self.text = ""
         self.sent = 0  # characters of text sent as content
+        self.start = -1  # where the first call's tag begins, once seen
 
     def feed(self, text: str, finished: bool) -> tuple[str | None, list[FunctionCall]]:
         """(the content to send now, the calls: only with the last delta)."""
+        searched = max(0, len(self.text) - len(START) + 1)  # a tag may straddle the deltas
         self.text += text
         if finished:
             content, calls = parse_tool_calls(self.text, self.mode)
             return (None if content is None else content[self.sent:]), calls
         if self.mode.kind != "auto":
             return None, []
-        end = self._safe_end()
-        content, self.sent = self.text[self.sent:end], max(self.sent, end)
+        if self.start < 0:
+            self.start = self.text.find(START, searched)
+        end = self.start if self.start >= 0 else len(self.text) - held_tail(self.text, START)
+        content = self.text[self.sent:end].rstrip()
+        self.sent += len(content)
         return content, []
-
-    def _safe_end(self) -> int:
-        """Where the content that cannot be part of a call ends (white space before a call is
-        not content: it waits too)."""
-        start = self.text.find(START)
-        end = start if start >= 0 else len(self.text) - held_tail(self.text, START)
-        return len(self.text[:end].rstrip())
