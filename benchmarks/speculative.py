@@ -1,9 +1,11 @@
 """N-gram speculative decoding against plain decoding, same run, on the real SmolLM2-135M-Instruct:
 a copy-heavy workload (edit a given text of about 150 words: most of the answer repeats it) and
-a no-copy one (answers written from scratch), greedy, single stream and a batch of 64.
+a no-copy one (answers written from scratch), greedy, every row --max-tokens long, single stream
+and a batch of 64.
 
     python -m benchmarks.speculative                          # SmolLM2 from the nanovllm cache
     python -m benchmarks.speculative --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --k 4
+    python -m benchmarks.speculative --profile --batches 1 16  # (CUDA) decode steps' GPU time
 
 Reports output tokens/s without and with drafts, their ratio, the acceptance length (the tokens a
 verified draft yields: 1 + its accepted tokens, on average) and the share of draft tokens accepted.
@@ -79,6 +81,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="timed calls (the median counts)")
     parser.add_argument("--disable-by-batch-size", type=int,
                         help="drafting stops above this batch (default: the config's)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile decode steps of each workload and batch, plain and with "
+                             "drafts (CUDA): wall and GPU time a step, kernels, host time")
     args = parser.parse_args()
     if args.model is None:
         from nanovllm.testing.real_model import smollm2_gguf
@@ -88,7 +93,11 @@ def main():
             "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    if args.profile:
+        return profile(args.model, spec, args.batches)
+    # Every row makes max_tokens (ignore_eos), so both runs do the same work: on a GPU, a verify
+    # step's rows may break a near tie unlike a single decode row, and the answers then differ.
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rates = {}
     for label, config in (("plain", None), ("ngram", spec)):
         with LLM(args.model, max_model_len=1024, speculative_config=config) as llm:
@@ -114,6 +123,22 @@ def main():
             share = accepted / drafted if drafted else 0.0
             print(f"{kind:>8} {batch:>5} {plain:>9,.0f} {ours:>9,.0f} {ours / plain:>6.2f} "
                   f"{length:>10.2f} {share:>9.0%}")
+
+
+def profile(model: str, spec: dict, batches: list[int]):
+    """benchmarks.profiling's decode profile of each workload and batch, plain and with drafts
+    (greedy, ignore_eos, so every row runs through the profiled steps)."""
+    from benchmarks.profiling import profile_decode
+    from nanovllm.llm import conversation_texts
+
+    params = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    for label, config in (("plain", None), ("ngram", spec)):
+        with LLM(model, max_model_len=1024, speculative_config=config) as llm:
+            for kind in ("copy", "free"):
+                for batch in batches:
+                    print(f"== {label}, {kind}, batch {batch}")
+                    prompts = conversation_texts(llm.get_tokenizer(), workload(kind, batch))
+                    profile_decode(llm, prompts, [params] * batch)
 
 
 if __name__ == "__main__":

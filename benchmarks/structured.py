@@ -9,6 +9,7 @@ over its longest row.
                                                # cost far more per row (BENCHMARKS.md)
     python -m benchmarks.structured --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf
     python -m benchmarks.structured            # a CPU: the tiny random Qwen3
+    python -m benchmarks.structured --profile  # (CUDA) decode steps' GPU time, grammar and free
 
 The random Qwen3-0.6B is read with a tokenizer that gives every one of its 151,936 ids a token
 (strings of 1-4 letters), as a real tokenizer of that size does. Its own byte tokenizer would not
@@ -65,12 +66,30 @@ def ms_a_step(llm: LLM, batch: int, regex: str, tokens: int) -> tuple[float, flo
     return free_seconds / max(lengths) * 1e3, seconds / max(lengths) * 1e3
 
 
+def profile(llm: LLM, batches: list[int], regex: str, tokens: int):
+    """benchmarks.profiling's decode profile at each batch: every row with the grammar, then
+    none (rows that end early leave the profiled batch smaller)."""
+    from benchmarks.profiling import profile_decode
+
+    spec = StructuredOutputsParams(regex=regex)
+    for batch in batches:
+        prompts = [[1 + (row % 200), 2, 3, 4] for row in range(batch)]
+        for label, params in (
+                ("grammar", SamplingParams(temperature=1.0, max_tokens=tokens,
+                                           structured_outputs=spec)),
+                ("free", SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True))):
+            print(f"== {label}, batch {batch}")
+            profile_decode(llm, prompts, [params] * batch)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a checkpoint (default: a tiny random Qwen3 on the CPU)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--tokens", type=int, default=64, help="a grammar row's most tokens")
     parser.add_argument("--regex", default="[a-z]+", help="the grammar rows' regex")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile decode steps at each batch, grammar rows and free (CUDA)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         model, options = args.model, {}
@@ -86,6 +105,8 @@ def main():
             model = folder
         with LLM(model, max_num_seqs=max(args.batches), max_model_len=args.tokens + 64,
                  **options) as llm:
+            if args.profile:
+                return profile(llm, args.batches, args.regex, args.tokens + 56)
             print(f"grammar rows: regex {args.regex!r}, at most {args.tokens} tokens")
             print(f"{'batch':>5} {'no grammar ms':>14} {'grammar ms':>11} {'ratio':>6}")
             for batch in args.batches:
