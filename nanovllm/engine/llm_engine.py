@@ -26,7 +26,7 @@ from nanovllm.engine.postprocess import Postprocess
 from nanovllm.engine.requests import Request, RequestLimits
 from nanovllm.engine.scheduler import CommittedStep, Scheduler, scheduled_step
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.speculative import NgramDrafter
+from nanovllm.engine.speculative import DraftGate, NgramDrafter
 from nanovllm.engine.weight_ops import WeightOps
 from nanovllm.runner.model_runner import ModelRunner, PendingOutput, free_port, run_worker
 from nanovllm.runner.shm_channel import NO_MAIN_GUARD_EXIT_CODE, ShmChannel, WorkerDiedError
@@ -99,6 +99,7 @@ class LLMEngine(WeightOps, Postprocess):
         # _drafts_pending: some sequence has a draft, or a verify step is in flight, so the next
         # step first ends the step in flight; _proposed: the last postprocess proposed a draft.
         self._drafts_pending = self._proposed = False
+        self.draft_gate = DraftGate()  # whether a step's drafts are expected to pay
         self.sleep_level = 0  # LLM.sleep's level while anything is asleep
         self.asleep: set[str] = set()  # of WAKE_TAGS: what sleep freed and wake_up has not restored
         self.unloaded_weights: set[str] = set()  # discarded by sleep(level=2), not reloaded yet

@@ -4,7 +4,7 @@ one), logprobs, prompt logprobs, stop strings, and the drafts that follow (specu
 from nanovllm.config import Config
 from nanovllm.engine.scheduler import CommittedStep, Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.speculative import accepted_length
+from nanovllm.engine.speculative import DraftGate, accepted_length
 from nanovllm.step import StepOutput
 
 
@@ -17,6 +17,7 @@ class Postprocess:
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    draft_gate: DraftGate
     _proposed: bool
 
     def _postprocess_inflight(self) -> tuple[CommittedStep, list[Sequence]]:
@@ -81,12 +82,22 @@ class Postprocess:
     def _propose(self, seqs: list[Sequence]):
         """Each live sequence's draft for its known tokens; a draft makes the next step wait for
         the step in flight (its tokens come before the draft's)."""
-        if len(self.scheduler.running) > self.scheduler.max_draft_batch:
+        num_running = len(self.scheduler.running)
+        if num_running > self.scheduler.max_draft_batch:
             return  # the next decode step verifies no draft: it keeps the overlap
+        drafting = []
         for seq in seqs:
             if seq.drafter is not None and not seq.is_finished:
                 seq.draft = seq.drafter.propose(seq.token_ids, seq.num_tokens - seq.num_inflight)
-                self._proposed = self._proposed or bool(seq.draft)
+                if seq.draft:
+                    drafting.append(seq)
+        if not drafting:
+            return
+        if not self.draft_gate.admits([seq.drafter for seq in drafting], num_running):
+            for seq in drafting:  # too little expected: the next step overlaps instead
+                seq.draft = []
+            return
+        self._proposed = True
 
     @staticmethod
     def _add_logprobs(rows: list[tuple[Sequence, int]], output: StepOutput):

@@ -10,6 +10,12 @@ MAX_CANDIDATES = 8
 # After a draft with no token accepted, a sequence skips this many chances to draft, doubling
 # with each further miss up to MAX_BACKOFF; an accepted token resets it.
 FIRST_BACKOFF, MAX_BACKOFF = 1, 64
+# A sequence's expected accepted tokens a draft (DraftGate): before its first verified draft, and
+# the weight of each new outcome in the moving average.
+FIRST_EXPECTED, EXPECTED_WEIGHT = 1.0, 0.5
+# DraftGate: a step verifies drafts when they are expected to add this many tokens a running
+# sequence (docs/architecture.md, "The gate"), and at least every PROBE_STEPS declined steps.
+MIN_GAIN_PER_SEQUENCE, PROBE_STEPS = 1.0, 64
 
 
 class NgramDrafter:
@@ -23,6 +29,7 @@ class NgramDrafter:
         self.indexed = 0  # grams ending before this position are indexed
         self.skip = 0  # chances to draft left to skip
         self.backoff = FIRST_BACKOFF
+        self.expected = FIRST_EXPECTED  # moving average of the tokens a draft had accepted
 
     def propose(self, tokens: list[int], num_known: int) -> list[int]:
         """Up to k tokens to follow tokens[:num_known]; [] when nothing matches or backing off."""
@@ -50,6 +57,8 @@ class NgramDrafter:
 
     def record(self, num_drafted: int, num_accepted: int):
         """A verified draft's outcome: no token accepted backs drafting off."""
+        if num_drafted:
+            self.expected += EXPECTED_WEIGHT * (num_accepted - self.expected)
         if num_drafted and not num_accepted:
             self.skip = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
@@ -62,6 +71,26 @@ class NgramDrafter:
         for end in range(max(self.indexed, n), num_known):
             self.starts.setdefault(tuple(tokens[end - n:end]), []).append(end)
         self.indexed = max(self.indexed, num_known)
+
+
+class DraftGate:
+    """Whether the next decode step verifies the drafts proposed for it. A step with drafts cannot
+    overlap the host's work for it with the GPU's work of the step before, which costs up to a
+    plain step's time: it pays when its drafts are expected to add at least
+    MIN_GAIN_PER_SEQUENCE tokens a running sequence. Declined steps keep the estimates they had,
+    so every PROBE_STEPS-th declined step verifies anyway and they are measured again."""
+
+    def __init__(self):
+        self.declined = 0  # steps declined since the last verified one
+
+    def admits(self, drafters: list[NgramDrafter], num_running: int) -> bool:
+        """drafters: those of the sequences with a draft for the next step."""
+        expected = sum(drafter.expected for drafter in drafters)
+        if expected >= MIN_GAIN_PER_SEQUENCE * num_running or self.declined + 1 >= PROBE_STEPS:
+            self.declined = 0
+            return True
+        self.declined += 1
+        return False
 
 
 def accepted_length(draft: list[int], sampled: list[int]) -> int:

@@ -7,11 +7,17 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import SpeculativeConfig
-from nanovllm.engine.speculative import MAX_BACKOFF, NgramDrafter, accepted_length
+from nanovllm.engine.speculative import (
+    MAX_BACKOFF,
+    PROBE_STEPS,
+    DraftGate,
+    NgramDrafter,
+    accepted_length,
+)
 from tests.conftest import _hf_model
 from tests.engine.test_generate import PreemptionCounter
 
-pytestmark = pytest.mark.cpu_suite
+pytestmark = [pytest.mark.cpu_suite, pytest.mark.usefixtures("every_draft_verified")]
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
@@ -254,3 +260,52 @@ def test_no_drafts_past_disable_by_batch_size(tiny_model):
         assert llm.llm_engine.num_drafts == 0
         llm.generate(loopy[:2], greedy, use_tqdm=False)
         assert llm.llm_engine.num_drafts > 0
+
+
+def test_drafter_expects_the_moving_average_of_its_accepted_tokens():
+    drafter = NgramDrafter(SpeculativeConfig(4, 2, 1))
+    assert drafter.expected == 1.0  # before any verified draft
+    drafter.record(4, 3)
+    assert drafter.expected == 2.0  # halfway to 3
+    drafter.record(4, 0)
+    assert drafter.expected == 1.0
+    drafter.record(0, 0)  # no draft: nothing learned
+    assert drafter.expected == 1.0
+
+
+def test_gate_admits_drafts_expected_to_add_a_token_a_sequence(monkeypatch):
+    """Two drafters expecting 1.5 tokens each: enough for a batch of 3, not of 4; a declined
+    batch is probed every PROBE_STEPS-th step."""
+    monkeypatch.undo()  # the gate as the engine has it
+    drafters = [NgramDrafter(SpeculativeConfig(4, 2, 1)) for _ in range(2)]
+    for drafter in drafters:
+        drafter.expected = 1.5
+    gate = DraftGate()
+    assert gate.admits(drafters, num_running=3)
+    decisions = [gate.admits(drafters, num_running=4) for _ in range(2 * PROBE_STEPS)]
+    admitted = [step for step, admits in enumerate(decisions) if admits]
+    assert admitted == [PROBE_STEPS - 1, 2 * PROBE_STEPS - 1]
+    assert not gate.admits([], num_running=1)
+
+
+def test_drafts_the_gate_declines_are_not_verified(tiny_model, monkeypatch):
+    """The engine asks the gate before each step with drafts, with the running batch's size;
+    a declined step verifies nothing, and the tokens are those of decoding without drafts."""
+    asked = []
+
+    def decline(self, drafters, num_running):
+        asked.append((len(drafters), num_running))
+        return False
+
+    monkeypatch.setattr(DraftGate, "admits", decline)
+    loopy = [[7, 8, 9, 10] * 6, [3, 1, 4, 1, 5, 9, 2, 6] * 3 + [3, 1, 4]]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    runs = []
+    for spec in (None, NGRAM):
+        with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64,
+                 speculative_config=spec) as llm:
+            runs.append([o.outputs[0].token_ids
+                         for o in llm.generate(loopy, greedy, use_tqdm=False)])
+            assert llm.llm_engine.num_drafts == 0
+    assert asked and all(0 < n <= running == 2 for n, running in asked), asked
+    assert runs[1] == runs[0]

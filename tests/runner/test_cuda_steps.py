@@ -8,7 +8,8 @@ import pytest
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from tests.conftest import needs_cuda
 
-pytestmark = needs_cuda  # conftest adds the `cuda` marker
+# conftest adds the `cuda` marker
+pytestmark = [needs_cuda, pytest.mark.usefixtures("every_draft_verified")]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
 
