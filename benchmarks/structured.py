@@ -27,6 +27,7 @@ import torch
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 
 QWEN3_VOCAB_SIZE = 151936
+PROMPT_TOKENS = 4  # each row's prompt
 
 
 def write_letters_tokenizer(path: str, vocab_size: int) -> str:
@@ -45,6 +46,11 @@ def write_letters_tokenizer(path: str, vocab_size: int) -> str:
     return path
 
 
+def prompts_of(batch: int) -> list[list[int]]:
+    """`batch` prompts of PROMPT_TOKENS ids, most of them distinct."""
+    return [[1 + (row % 200), *range(2, PROMPT_TOKENS + 1)] for row in range(batch)]
+
+
 def timed(llm: LLM, prompts, params) -> tuple[float, list[int]]:
     """Seconds of one generate call after the same call as a warm-up (every kernel shape it
     meets compiled), and each row's tokens."""
@@ -56,7 +62,7 @@ def timed(llm: LLM, prompts, params) -> tuple[float, list[int]]:
 
 def ms_a_step(llm: LLM, batch: int, regex: str, tokens: int) -> tuple[float, float]:
     """Milliseconds a step with and without a grammar on each of `batch` rows."""
-    prompts = [[1 + (row % 200), 2, 3, 4] for row in range(batch)]
+    prompts = prompts_of(batch)
     spec = StructuredOutputsParams(regex=regex)
     grammar = SamplingParams(temperature=1.0, max_tokens=tokens, structured_outputs=spec)
     seconds, lengths = timed(llm, prompts, [grammar] * batch)
@@ -73,7 +79,7 @@ def profile(llm: LLM, batches: list[int], regex: str, tokens: int):
 
     spec = StructuredOutputsParams(regex=regex)
     for batch in batches:
-        prompts = [[1 + (row % 200), 2, 3, 4] for row in range(batch)]
+        prompts = prompts_of(batch)
         for label, params in (
                 ("grammar", SamplingParams(temperature=1.0, max_tokens=tokens,
                                            structured_outputs=spec)),
@@ -103,10 +109,11 @@ def main():
 
             write_tiny_qwen3(folder)
             model = folder
-        with LLM(model, max_num_seqs=max(args.batches), max_model_len=args.tokens + 64,
+        max_model_len = args.tokens + 64
+        with LLM(model, max_num_seqs=max(args.batches), max_model_len=max_model_len,
                  **options) as llm:
-            if args.profile:
-                return profile(llm, args.batches, args.regex, args.tokens + 56)
+            if args.profile:  # rows as long as max_model_len allows: they outlast the profile
+                return profile(llm, args.batches, args.regex, max_model_len - PROMPT_TOKENS)
             print(f"grammar rows: regex {args.regex!r}, at most {args.tokens} tokens")
             print(f"{'batch':>5} {'no grammar ms':>14} {'grammar ms':>11} {'ratio':>6}")
             for batch in args.batches:

@@ -14,14 +14,6 @@ if not torch.cuda.is_available():
 
 # GPU-only tests: skipped without CUDA (and marked `cuda` below).
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture
-def every_draft_verified(monkeypatch):
-    """Speculation's gate admits every draft (tests of verification, not of when it pays)."""
-    from nanovllm.engine import speculative
-
-    monkeypatch.setattr(speculative, "MIN_GAIN_PER_SEQUENCE", 0.0)
 needs_hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
     reason="needs a Hopper GPU")
@@ -93,6 +85,14 @@ def seeded_global_rngs():
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
+
+
+@pytest.fixture
+def every_draft_verified(monkeypatch):
+    """Speculation's gate admits every draft (tests of verification, not of when it pays)."""
+    from nanovllm.engine import speculative
+
+    monkeypatch.setattr(speculative, "MIN_GAIN_PER_SEQUENCE", 0.0)
 
 
 @pytest.fixture(scope="session")

@@ -57,13 +57,14 @@ class NgramDrafter:
 
     def record(self, num_drafted: int, num_accepted: int):
         """A verified draft's outcome: no token accepted backs drafting off."""
-        if num_drafted:
-            self.expected += EXPECTED_WEIGHT * (num_accepted - self.expected)
-        if num_drafted and not num_accepted:
+        if not num_drafted:
+            return
+        self.expected += EXPECTED_WEIGHT * (num_accepted - self.expected)
+        if num_accepted:
+            self.backoff = FIRST_BACKOFF
+        else:
             self.skip = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
-        elif num_accepted:
-            self.backoff = FIRST_BACKOFF
 
     def _index(self, tokens: list[int], num_known: int):
         """Index the grams that end before the last known token (each has a known successor)."""
