@@ -1,11 +1,14 @@
 """Structured outputs with xgrammar (an optional dependency: the `structured` extra). One compiler
 per engine over the tokenizer's vocabulary; a grammar compiled once per distinct spec, at
-submission; a matcher per sequence, advanced by each of its tokens as they become known."""
+submission; a matcher per sequence, advanced by each of its tokens as they become known; a step's
+masks filled by MaskFiller."""
 
-import functools
 import json
+import os
 import re
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -28,6 +31,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.compiled: dict[tuple, object] = {}
+        self.filler = MaskFiller()  # the engine's steps' masks
         self._compiler = None
         self._lock = threading.Lock()
 
@@ -169,22 +173,51 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
-def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> np.ndarray:
-    """[len(states), words] int32: each state's allowed next tokens, a bit per token; a None
-    state (a finished sequence, whose token is discarded) allows every token. The rows fill in
-    parallel, on xgrammar's threads (half the cores), with the interpreter's lock released."""
-    import torch  # xgrammar fills a tensor
+class MaskFiller:
+    """Fills a step's masks. The calling thread fills the rows in order; once they prove dear (past
+    SPILL_SECONDS_A_ROW on average), helper threads claim rows from the same queue. A fill releases
+    the interpreter's lock, so dear rows (a bounded repetition's) spread over the cores, while cheap
+    ones (a character class's: microseconds) never wake a thread or contend for the lock. The
+    helpers live as long as the filler: starting threads every step costs more than cheap rows."""
 
-    bitmask = np.full((len(states), bitmask_words(vocab_size)), -1, dtype=np.int32)
-    rows = [row for row, state in enumerate(states) if state is not None]
-    if rows:
-        _batch_matcher().batch_fill_next_token_bitmask(
-            [states[row].matcher for row in rows], torch.from_numpy(bitmask), indices=rows)
-    return bitmask
+    SPILL_SECONDS_A_ROW = 50e-6  # docs/architecture.md "Structured outputs"
 
+    def __init__(self, num_helpers: int | None = None):
+        if num_helpers is None:  # half the cores fill, as xgrammar's own batch matcher does
+            num_helpers = max(len(os.sched_getaffinity(0)) // 2 - 1, 0)
+        self.num_helpers = num_helpers
+        self._pool = None
 
-@functools.cache
-def _batch_matcher():
-    import xgrammar as xgr
+    def fill(self, states: list[GrammarState | None], vocab_size: int) -> np.ndarray:
+        """[len(states), words] int32: each state's allowed next tokens, a bit per token; a None
+        state (a finished sequence, whose token is discarded) allows every token."""
+        import torch  # xgrammar fills a tensor
 
-    return xgr.BatchGrammarMatcher(max_threads="auto")
+        bitmask = np.full((len(states), bitmask_words(vocab_size)), -1, dtype=np.int32)
+        tensor = torch.from_numpy(bitmask)
+        rows = iter([row for row, state in enumerate(states) if state is not None])
+
+        def fill_rows():  # next() on a list iterator is atomic: each row is filled once
+            for row in rows:
+                states[row].matcher.fill_next_token_bitmask(tensor, row)
+
+        helpers, start = [], time.perf_counter()
+        for num_filled, row in enumerate(rows, 1):
+            states[row].matcher.fill_next_token_bitmask(tensor, row)
+            elapsed = time.perf_counter() - start
+            if not helpers and self.num_helpers and elapsed > self.SPILL_SECONDS_A_ROW * num_filled:
+                helpers = [self._helpers().submit(fill_rows) for _ in range(self.num_helpers)]
+        for helper in helpers:
+            if not helper.cancel():  # one that started may be filling a row: wait for it
+                helper.result()
+        return bitmask
+
+    def _helpers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_helpers, thread_name_prefix="nanovllm-mask")
+        return self._pool
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None

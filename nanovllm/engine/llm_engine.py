@@ -20,7 +20,7 @@ from nanovllm.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.config import Config
 from nanovllm.engine.colocate import ModelConfig, ModelExecutor
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.grammar import Grammars, fill_bitmask
+from nanovllm.engine.grammar import Grammars
 from nanovllm.engine.outputs import StreamOutput, request_output, stream_outputs
 from nanovllm.engine.postprocess import Postprocess
 from nanovllm.engine.requests import Request, RequestLimits
@@ -71,6 +71,7 @@ def _exit_live_engines():
 class LLMEngine(WeightOps, Postprocess):
     # While exit's NCCL abort runs, its kernels may still spin: no other LLM may start meanwhile.
     nccl_abort: threading.Thread | None = None
+    grammars: Grammars | None = None  # set once the tokenizer is loaded
 
     def __init__(self, model: str, **options):
         if getattr(mp.current_process(), "_inheriting", False):
@@ -195,6 +196,8 @@ class LLMEngine(WeightOps, Postprocess):
                     process.join()
             if self.channel is not None:
                 self.channel.close()
+            if self.grammars is not None:
+                self.grammars.filler.close()
             if getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
                 sys.excepthook = self._excepthook
 
@@ -357,7 +360,7 @@ class LLMEngine(WeightOps, Postprocess):
         sampled = committed.sampled
         states = [None if sampled[row].is_finished else sampled[row].grammar
                   for row in sampling.grammar_rows]
-        bitmask = fill_bitmask(states, self.config.hf_config.vocab_size)
+        bitmask = self.grammars.filler.fill(states, self.config.hf_config.vocab_size)
         return self.model_runner.sample_masked(bitmask)
 
     def as_completed(self, requests: list[Request],

@@ -112,7 +112,7 @@ def test_grammar_compiled_once_per_spec(llm):
 def test_a_serialized_grammar_loads_as_the_compiled_one(llm):
     """The server sends its compile to the engine's process as JSON (grammar.serialize): the
     engine's Grammars caches what it reads, and its matchers allow what the compiled one's do."""
-    from nanovllm.engine.grammar import Grammars, fill_bitmask, serialize
+    from nanovllm.engine.grammar import Grammars, serialize
 
     grammars = llm.llm_engine.grammars
     spec = structured(regex=r"[a-c]{3}\d")
@@ -122,9 +122,81 @@ def test_a_serialized_grammar_loads_as_the_compiled_one(llm):
     assert other.load(spec, "not read: the spec is cached") is loaded
     states = [grammars.matcher(compiled), other.matcher(loaded)]
     for _ in range(5):  # three letters, a digit, then only the end
-        masks = [fill_bitmask([state], grammars.vocab_size) for state in states]
+        masks = [grammars.filler.fill([state], grammars.vocab_size) for state in states]
         assert np.array_equal(masks[0], masks[1])
         allowed = np.flatnonzero(np.unpackbits(masks[0].view(np.uint8), bitorder="little"))
         assert 0 < len(allowed) < grammars.vocab_size
         assert all(state.accept(int(allowed[0])) for state in states)
     assert all(state.is_terminated for state in states)
+
+
+def _rows_at_different_states(grammars, num_rows: int):
+    """Matchers of REGEX, row r having accepted r % 4 tokens (each its first allowed one)."""
+    compiled = grammars.compile(structured(regex=REGEX))
+    states = [grammars.matcher(compiled) for _ in range(num_rows)]
+    for row, state in enumerate(states):
+        for _ in range(row % 4):
+            mask = grammars.filler.fill([state], grammars.vocab_size)
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+            assert state.accept(int(allowed[0]))
+    return states
+
+
+class _FillRecorder:
+    """A matcher's stand-in recording which thread fills its row. On the calling thread, every
+    row after the first waits until a helper has filled one, so helpers surely take part."""
+
+    def __init__(self, matcher, filled_by: dict, helper_filled):
+        self.matcher, self.filled_by, self.helper_filled = matcher, filled_by, helper_filled
+
+    def fill_next_token_bitmask(self, bitmask, row: int):
+        import threading
+
+        caller = threading.current_thread() is threading.main_thread()
+        if caller and self.filled_by:
+            assert self.helper_filled.wait(timeout=60), "no helper claimed a row"
+        self.filled_by[row] = "caller" if caller else "helper"
+        if not caller:
+            self.helper_filled.set()
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+@pytest.mark.parametrize("spill", ["at once", "never"])
+def test_mask_filler_fills_each_row_as_its_matcher_does(llm, spill, monkeypatch):
+    """Helpers claiming rows (spilled after the first) or none (never spilled): each row is its
+    own matcher's mask, once; a None row allows everything; cheap rows start no thread."""
+    import threading
+
+    import torch
+
+    from nanovllm.engine.grammar import MaskFiller, bitmask_words
+
+    grammars = llm.llm_engine.grammars
+    words = bitmask_words(grammars.vocab_size)
+    states = _rows_at_different_states(grammars, 24)
+    states[5] = states[17] = None
+    expected = np.full((24, words), -1, dtype=np.int32)
+    for row, state in enumerate(states):
+        if state is not None:
+            state.matcher.fill_next_token_bitmask(torch.from_numpy(expected), row)
+    assert len({expected[row].tobytes() for row in range(24)}) == 4  # four distinct states
+    monkeypatch.setattr(MaskFiller, "SPILL_SECONDS_A_ROW", 0.0 if spill == "at once" else 1e9)
+    filler = MaskFiller(num_helpers=3)
+    try:
+        for _ in range(2):  # helpers, once started, serve the later fills
+            filled_by, helper_filled = {}, threading.Event()
+            if spill == "at once":
+                for state in states:
+                    if state is not None:
+                        state.matcher = _FillRecorder(state.matcher, filled_by, helper_filled)
+            assert np.array_equal(filler.fill(states, grammars.vocab_size), expected)
+            if spill == "at once":
+                assert sorted(filled_by) == [row for row in range(24) if row not in (5, 17)]
+                assert filled_by[0] == "caller" and "helper" in filled_by.values()
+                for state in states:
+                    if state is not None:
+                        state.matcher = state.matcher.matcher
+        assert (filler._pool is not None) == (spill == "at once")
+    finally:
+        filler.close()
+    assert filler._pool is None
