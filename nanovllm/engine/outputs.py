@@ -81,23 +81,34 @@ def _decoder(tokenizer, params):
     return tokenizer.decode
 
 
-def stream_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],
-                 prompt_of: list[int]) -> list[StreamOutput]:
-    """What the pending requests produced since `sent`; drops the finished ones from `pending`."""
-    outputs = []
+def stream_news(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],
+                ) -> list[tuple[int, Sequence, str | None, list[int]]]:
+    """(index, sequence, new text, new token ids) of each pending sequence with news since `sent`,
+    which it advances; drops the finished ones from `pending`. The text is None where the engine
+    does not detokenize the sequence."""
+    news = []
     for index, seq in list(pending.items()):
         num_tokens, num_chars = sent[index]
-        num_output, finished = seq.num_output_tokens, seq.is_finished
+        num_output = seq.num_tokens - seq.num_prompt_tokens - seq.num_inflight
+        finished = seq.is_finished
         if num_output == num_tokens and not finished:
             continue
-        text, holdback = seq.detokenizer.text, seq.detokenizer.holdback
-        end = len(text) if finished else max(num_chars, len(text) - holdback)
-        sent[index] = (num_output, end)
         if finished:
             del pending[index]
-        start = seq.num_prompt_tokens + num_tokens
-        new_tokens = seq.token_ids[start:seq.num_prompt_tokens + num_output]
-        outputs.append(StreamOutput(prompt_of[index] - 1, text[num_chars:end], new_tokens,
-                                    finished, seq.finish_reason, seq.stop_reason,
-                                    seq.sample_index))
-    return outputs
+        detokenizer, text, end = seq.detokenizer, None, 0
+        if detokenizer is not None:
+            full = detokenizer.text
+            end = len(full) if finished else max(num_chars, len(full) - detokenizer.holdback)
+            text = full[num_chars:end]
+        sent[index] = (num_output, end)
+        start = seq.num_prompt_tokens
+        news.append((index, seq, text, seq.token_ids[start + num_tokens:start + num_output]))
+    return news
+
+
+def stream_outputs(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],
+                   prompt_of: list[int]) -> list[StreamOutput]:
+    """What the pending requests produced since `sent` (stream_news), as StreamOutputs."""
+    return [StreamOutput(prompt_of[index] - 1, text, token_ids, seq.is_finished,
+                         seq.finish_reason, seq.stop_reason, seq.sample_index)
+            for index, seq, text, token_ids in stream_news(pending, sent)]

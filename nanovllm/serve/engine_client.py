@@ -1,6 +1,8 @@
 """The server's end of the engine process: it starts the process, checks requests as LLM does (the
 same make_requests, with the engine's limits and the model's tokenizer) before sending them, and
-hands each step's message to the streams' asyncio queues, all on the server's event loop."""
+hands each step's message to the streams' asyncio queues, all on the server's event loop. It
+detokenizes the choices without stop strings, which the engine sends as token ids alone: that
+work stays off the engine's step loop."""
 
 import asyncio
 import atexit
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 
 from nanovllm.checkpoint.tokenizer import load_tokenizer
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.grammar import Grammars, serialize, spec_key
 from nanovllm.engine.requests import Request, RequestLimits, make_requests
 from nanovllm.serve import channel
@@ -67,10 +70,24 @@ class RequestStream:
     done: bool = False  # every choice finished, or the stream failed
     held: object = NOTHING  # the end (None) or an error, queued behind deltas just merged
     token_times: dict[int, float] = field(default_factory=dict)  # choice -> its last token's
+    # choice -> its text's detokenizer here, or None where the engine's (stop strings) sends text
+    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.requests)
+
+    def detokenize(self, delta: ChoiceDelta):
+        """Set the text of a delta the engine sent without (the choice has no stop strings): its
+        tokens', as the engine's detokenizer would have made it (a finishing EOS or stop id
+        shows no text)."""
+        detokenizer = self.detokenizers[delta.index]
+        before, last = len(detokenizer.text), len(delta.token_ids) - 1
+        reason = delta.finish_reason
+        for i, token_id in enumerate(delta.token_ids):
+            ends = reason is not None and i == last
+            detokenizer.update(token_id, ends, stop_terminated=ends and reason == "stop")
+        delta.text = detokenizer.text[before:]
 
     async def next_deltas(self) -> list[ChoiceDelta]:
         """The choices' next deltas, all that queued up merged by choice (a handler that falls
@@ -174,7 +191,11 @@ class EngineClient:
         EngineStopped if the engine takes none now."""
         if not self.alive:
             raise EngineStopped(self.error or "the server is shutting down")
-        stream = RequestStream(requests, next(self._stream_ids))
+        # The engine detokenizes only what its stop strings need; this process, the rest.
+        detokenizers = [None if r.params.stop else
+                        IncrementalDetokenizer(self.tokenizer, r.token_ids, r.params)
+                        for r in requests for _ in range(r.params.n)]
+        stream = RequestStream(requests, next(self._stream_ids), detokenizers=detokenizers)
         self._streams[stream.stream_id] = stream
         if self._metrics is not None:
             self._metrics.observe_request(stream.num_prompt_tokens)
@@ -270,6 +291,8 @@ class EngineClient:
             if stream is None:
                 continue  # aborted meanwhile
             delta = ChoiceDelta(*fields)
+            if delta.text is None:
+                stream.detokenize(delta)
             news.setdefault(stream_id, []).append(delta)
             if metrics is not None and delta.token_ids:
                 last = stream.token_times.get(delta.index)

@@ -1,6 +1,7 @@
 """The engine process. It owns the LLMEngine (tensor-parallel workers are its children), takes the
 server's commands between steps, steps while any request is unfinished, and sends each step's new
-text and tokens of every stream as one message. In a process of its own, the step loop does not
+tokens of every stream as one message, with their text only where the engine detokenizes (stop
+strings); the server detokenizes the rest. In a process of its own, the step loop does not
 share an interpreter lock with the HTTP handlers, so it keeps ahead of the GPU."""
 
 import contextlib
@@ -8,10 +9,9 @@ import signal
 import socket
 import traceback
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.outputs import StreamOutput, stream_outputs
+from nanovllm.engine.outputs import stream_news
 from nanovllm.engine.sequence import Sequence
 from nanovllm.serve import channel
 from nanovllm.serve.messages import (
@@ -62,20 +62,16 @@ def _send_failure(sock: socket.socket, error: BaseException):
 
 @dataclass(eq=False)
 class EngineStream:
-    """One HTTP request's sequences and what the server has been sent of each."""
+    """One HTTP request's sequences (flat: a prompt's n samples in a row, so a sequence's position
+    is its choice index) and what the server has been sent of each."""
 
     seqs: list[Sequence]
     pending: dict[int, Sequence] = field(init=False)  # choice -> sequence, until it finishes
     sent: dict[int, tuple[int, int]] = field(init=False)  # choice -> (tokens, characters) sent
-    prompt_of: list[int] = field(init=False)  # choice -> 1 + its prompt's position
-    choice_offsets: list[int] = field(init=False)  # prompt -> its first choice
 
     def __post_init__(self):
         self.pending = dict(enumerate(self.seqs))
         self.sent = dict.fromkeys(self.pending, (0, 0))
-        self.prompt_of = list(accumulate(seq.sample_index == 0 for seq in self.seqs))
-        self.choice_offsets = [0, *accumulate(seq.sampling_params.n for seq in self.seqs
-                                              if seq.sample_index == 0)]
 
     @property
     def request_ids(self) -> list[str]:
@@ -124,7 +120,7 @@ class EngineCore:
 
     def _add(self, command: AddRequests):
         try:
-            seqs = self.engine.add(command.requests, detokenize=True)
+            seqs = self.engine.add(command.requests)
         except (ValueError, TypeError, RuntimeError) as e:  # this request's failure, not the loop's
             self.refused.append((command.stream_id, f"the engine refused the request: {e}"))
             return
@@ -142,8 +138,8 @@ class EngineCore:
         """Send every stream's news since the last message, and the gauges, as one message."""
         deltas, finished = [], []
         for stream_id, stream in list(self.streams.items()):
-            for out in stream_outputs(stream.pending, stream.sent, stream.prompt_of):
-                deltas.append(_delta(stream_id, stream, out))
+            for choice, seq, text, token_ids in stream_news(stream.pending, stream.sent):
+                deltas.append(_delta(stream_id, stream, choice, seq, text, token_ids))
             if not stream.pending:
                 finished.append(stream_id)
                 del self.streams[stream_id]
@@ -155,24 +151,27 @@ class EngineCore:
         self.refused = []
 
 
-def _delta(stream_id: int, stream: EngineStream, out: StreamOutput) -> tuple:
-    """A choice's news as StepOutputs carries it: (stream id, a ChoiceDelta's fields)."""
-    choice = stream.choice_offsets[out.index] + out.sample
-    seq = stream.seqs[choice]
-    num_new, num_output = len(out.token_ids), seq.num_output_tokens
+def _delta(stream_id: int, stream: EngineStream, choice: int, seq: Sequence, text: str | None,
+           token_ids: list[int]) -> tuple:
+    """A choice's news as StepOutputs carries it: (stream id, a ChoiceDelta's fields), the fields
+    after logprobs left to their defaults unless the choice finished or this is its first delta."""
+    num_new, num_output = len(token_ids), seq.num_output_tokens
     logprobs = None
     if seq.sampling_params.logprobs is not None:
-        start = num_output - num_new
-        logprobs = seq.logprobs[start:start + num_new]
+        logprobs = seq.logprobs[num_output - num_new:num_output]
+    delta = (stream_id, choice, text, token_ids, logprobs)
+    first = num_output == num_new
+    if not first and not seq.is_finished:
+        return delta
     prompt_token_ids = prompt_logprobs = None
     num_cached = 0
-    if num_output == num_new:  # the choice's first delta
-        first = stream.seqs[stream.choice_offsets[out.index]]
-        prompt_token_ids, prompt_logprobs = _prompt_logprobs(first)
-        if out.sample == 0:  # the prompt's n samples share its cache hit: count it once
-            num_cached = first.num_prefix_hit_tokens or 0
-    return (stream_id, choice, out.text, out.token_ids, logprobs, out.finish_reason,
-            out.stop_reason, prompt_token_ids, prompt_logprobs, num_cached)
+    if first:
+        prompt_first = stream.seqs[choice - seq.sample_index]
+        prompt_token_ids, prompt_logprobs = _prompt_logprobs(prompt_first)
+        if seq.sample_index == 0:  # the prompt's n samples share its cache hit: count it once
+            num_cached = prompt_first.num_prefix_hit_tokens or 0
+    return delta + (seq.finish_reason, seq.stop_reason, prompt_token_ids, prompt_logprobs,
+                    num_cached)
 
 
 def _prompt_logprobs(first: Sequence) -> tuple[list[int] | None, list | None]:

@@ -12,7 +12,7 @@ class ChoiceDelta:
     """What one choice (a prompt's sample) produced since its last delta."""
 
     index: int  # the choice: the prompt's position times n, plus the sample
-    text: str
+    text: str | None  # None from the engine where the server detokenizes (no stop strings)
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per token, sampled first
     finish_reason: str | None = None

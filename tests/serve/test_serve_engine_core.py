@@ -9,10 +9,12 @@ import pytest
 from conftest import ENGINE_OPTIONS
 
 from nanovllm import SamplingParams
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.requests import Request, make_requests
 from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.serve import channel
+from nanovllm.serve.engine_client import RequestStream
 from nanovllm.serve.engine_core import serve_engine
 from nanovllm.serve.messages import (
     AbortRequests,
@@ -100,6 +102,43 @@ def test_each_step_is_one_message_with_every_streams_news(engine):
     assert sorted(f for m in messages for f in m.finished) == [7, 8]
     assert last.num_running == last.num_waiting == 0 and last.kv_cache_usage == 0
     core.stop()
+
+
+def test_the_engine_sends_text_only_where_its_stop_strings_need_it(engine):
+    """A choice with stop strings gets the engine's text; one without gets token ids alone, and
+    the server's detokenizer makes the same text of them as LLMEngine.stream's, a finishing stop
+    id's text left out. Two samples of a prompt keep their own detokenizers."""
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (tokens,) = [out.outputs[0].token_ids
+                 for _, out in engine.as_completed(requests(engine, PROMPTS[:1], plain))]
+    cut = next(i for i in range(3, 12) if tokens[i] not in tokens[:i])
+    by_stop_id = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tokens[cut]])
+    by_stop_string = SamplingParams(temperature=0, max_tokens=12, stop=["never in the text"])
+    seeded = SamplingParams(n=2, seed=3, temperature=1.0, max_tokens=12, ignore_eos=True)
+    cases = {1: by_stop_id, 2: by_stop_string, 3: seeded}
+    streamed = {stream_id: [""] * params.n for stream_id, params in cases.items()}
+    for stream_id, params in cases.items():
+        for out in engine.stream(requests(engine, PROMPTS[:1], params)):
+            streamed[stream_id][out.sample] += out.text
+    sent = {stream_id: requests(engine, PROMPTS[:1], params) for stream_id, params in cases.items()}
+    server_streams = {stream_id: RequestStream(reqs, stream_id, detokenizers=[
+        IncrementalDetokenizer(engine.tokenizer, r.token_ids, r.params)
+        for r in reqs for _ in range(r.params.n)]) for stream_id, reqs in sent.items()}
+    core = EngineOnThread(engine)
+    for stream_id, reqs in sent.items():
+        core.send(AddRequests(stream_id, reqs))
+    texts = {stream_id: [""] * params.n for stream_id, params in cases.items()}
+    for message in core.until_finished(set(cases)):
+        for stream_id, *fields in message.deltas:
+            delta = ChoiceDelta(*fields)
+            assert (delta.text is not None) == (stream_id == 2)
+            if delta.text is None:
+                server_streams[stream_id].detokenize(delta)
+            texts[stream_id][delta.index] += delta.text
+    core.stop()
+    assert texts == streamed
+    assert streamed[1][0] == engine.tokenizer.decode(tokens[:cut])
+    assert streamed[3][0] != streamed[3][1]
 
 
 def test_a_refused_request_fails_alone(engine):
