@@ -11,8 +11,10 @@ gone, run by LLM.generate here (one engine's KV pool on the device at a time).
         --max-input-len 128 --max-output-len 64     # a CPU: the server's own cost per token
 
 Reports each side's output throughput and their ratio, the server's time to first token and
-inter-token latency (p50, p99), measured by the clients, and the CPU time the engine's process and
-the server's took while serving: an engine process near a whole core is host-bound.
+inter-token latency (p50, p99), measured by the clients, each side's engine steps (their count,
+time and tokens: a gap is smaller batches or slower steps), and the CPU time the engine's process
+and the server's took while serving. On a GPU the engine's process spins while it waits for a
+step's tokens, so its CPU share is near a whole core whether its host work is the limit or not.
 """
 
 import argparse
@@ -100,12 +102,29 @@ def workload(num_requests: int, max_input_len: int, max_output_len: int,
     return prompts, params
 
 
-def offline(model: str, engine_options: dict, prompts, params) -> tuple[int, float]:
+def offline(model: str, engine_options: dict, prompts, params) -> tuple[int, float, int]:
+    """(tokens, seconds, engine steps) of LLM.generate over the workload."""
     with LLM(model, **engine_options) as llm:
         llm.generate([prompts[0][:8]], params[0], use_tqdm=False)  # warm-up
+        engine, steps = llm.llm_engine, [0]
+        step = engine.step
+        engine.step = lambda: steps.__setitem__(0, steps[0] + 1) or step()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        return sum(p.max_tokens for p in params), time.perf_counter() - start
+        return sum(p.max_tokens for p in params), time.perf_counter() - start, steps[0]
+
+
+def count_steps(client) -> list[int]:
+    """A counter of the engine's steps while serving: the engine sends one message a step."""
+    steps = [0]
+    dispatch = client._dispatch
+
+    def counted(message):
+        steps[0] += 1
+        dispatch(message)
+
+    client._dispatch = counted
+    return steps
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -135,6 +154,7 @@ def served(model: str, engine_options: dict, prompts, params, num_clients: int,
                        num_clients // num_processes + (i < num_clients % num_processes), start_at)
                       for i in range(num_processes)]
             time.sleep(max(0.0, start_at - time.time()))
+            steps = count_steps(server.engine)
             cpu_before = cpu_seconds(engine_pid), cpu_seconds()
             results = pool.map(client_process, shares)
             seconds = time.time() - start_at
@@ -142,7 +162,7 @@ def served(model: str, engine_options: dict, prompts, params, num_clients: int,
     tokens = sum(r[0] for r in results)
     cpu = {"engine": cpu_after[0] - cpu_before[0], "server": cpu_after[1] - cpu_before[1]}
     return (tokens, seconds, [t for r in results for t in r[1]], [t for r in results for t in r[2]],
-            cpu)
+            cpu, steps[0])
 
 
 def parse_args():
@@ -185,9 +205,9 @@ def main():
                                TINY_VOCAB_SIZE if args.tiny else None)
     model = tiny_model() if args.tiny else args.model or default_model()
     options = dict(max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
-    tokens, seconds, ttfts, itls, cpu = served(model, options, prompts, params, args.clients,
-                                               args.client_processes)
-    offline_tokens, offline_seconds = offline(model, options, prompts, params)
+    tokens, seconds, ttfts, itls, cpu, steps = served(model, options, prompts, params,
+                                                      args.clients, args.client_processes)
+    offline_tokens, offline_seconds, offline_steps = offline(model, options, prompts, params)
     assert tokens == offline_tokens, (tokens, offline_tokens)
     offline_rate, served_rate = offline_tokens / offline_seconds, tokens / seconds
     print(f"{args.num_requests} requests, {tokens} output tokens, {args.clients} clients")
@@ -198,6 +218,11 @@ def main():
           f"p99 {percentile(ttfts, 99) * 1e3:.1f} ms (mean {statistics.mean(ttfts) * 1e3:.1f})")
     print(f"inter-token latency: p50 {percentile(itls, 50) * 1e3:.2f} ms, "
           f"p99 {percentile(itls, 99) * 1e3:.2f} ms")
+    # More steps: the batches were smaller (requests arrive over time); longer steps: the
+    # engine's step loop did more per step than the GPU's step took.
+    print(f"engine steps: served {steps} ({seconds / steps * 1e3:.2f} ms, {tokens / steps:.1f} "
+          f"tokens a step), offline {offline_steps} ({offline_seconds / offline_steps * 1e3:.2f} "
+          f"ms, {offline_tokens / offline_steps:.1f} tokens a step)")
     print("CPU while serving: " + ", ".join(
         f"{name} process {s:.1f} s ({s / seconds:.0%} of a core, {s / tokens * 1e6:.0f} us a token)"
         for name, s in cpu.items()))
