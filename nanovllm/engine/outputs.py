@@ -89,8 +89,7 @@ def stream_news(pending: dict[int, Sequence], sent: dict[int, tuple[int, int]],
     news = []
     for index, seq in list(pending.items()):
         num_tokens, num_chars = sent[index]
-        num_output = seq.num_tokens - seq.num_prompt_tokens - seq.num_inflight
-        finished = seq.is_finished
+        num_output, finished = seq.num_output_tokens, seq.is_finished
         if num_output == num_tokens and not finished:
             continue
         if finished:
