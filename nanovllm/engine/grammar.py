@@ -180,7 +180,7 @@ class MaskFiller:
     ones (a character class's: microseconds) never wake a thread or contend for the lock. The
     helpers live as long as the filler: starting threads every step costs more than cheap rows."""
 
-    SPILL_SECONDS_A_ROW = 50e-6  # docs/architecture.md "Structured outputs"
+    SPILL_SECONDS_A_ROW = 50e-6  # docs/architecture.md "Structured outputs and the overlap"
 
     def __init__(self, num_helpers: int | None = None):
         if num_helpers is None:  # half the cores fill, as xgrammar's own batch matcher does
