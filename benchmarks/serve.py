@@ -106,25 +106,23 @@ def offline(model: str, engine_options: dict, prompts, params) -> tuple[int, flo
     """(tokens, seconds, engine steps) of LLM.generate over the workload."""
     with LLM(model, **engine_options) as llm:
         llm.generate([prompts[0][:8]], params[0], use_tqdm=False)  # warm-up
-        engine, steps = llm.llm_engine, [0]
-        step = engine.step
-        engine.step = lambda: steps.__setitem__(0, steps[0] + 1) or step()
+        steps = count_calls(llm.llm_engine, "step")
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return sum(p.max_tokens for p in params), time.perf_counter() - start, steps[0]
 
 
-def count_steps(client) -> list[int]:
-    """A counter of the engine's steps while serving: the engine sends one message a step."""
-    steps = [0]
-    dispatch = client._dispatch
+def count_calls(owner, name: str) -> list[int]:
+    """[calls of owner.<name> from now on]: the engine's steps, offline (LLMEngine.step) or
+    served (EngineClient._dispatch: the engine sends one message a step)."""
+    calls, method = [0], getattr(owner, name)
 
-    def counted(message):
-        steps[0] += 1
-        dispatch(message)
+    def counted(*args):
+        calls[0] += 1
+        return method(*args)
 
-    client._dispatch = counted
-    return steps
+    setattr(owner, name, counted)
+    return calls
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -154,7 +152,7 @@ def served(model: str, engine_options: dict, prompts, params, num_clients: int,
                        num_clients // num_processes + (i < num_clients % num_processes), start_at)
                       for i in range(num_processes)]
             time.sleep(max(0.0, start_at - time.time()))
-            steps = count_steps(server.engine)
+            steps = count_calls(server.engine, "_dispatch")
             cpu_before = cpu_seconds(engine_pid), cpu_seconds()
             results = pool.map(client_process, shares)
             seconds = time.time() - start_at

@@ -204,8 +204,8 @@ class MaskFiller:
         helpers, start = [], time.perf_counter()
         for num_filled, row in enumerate(rows, 1):
             states[row].matcher.fill_next_token_bitmask(tensor, row)
-            elapsed = time.perf_counter() - start
-            if not helpers and self.num_helpers and elapsed > self.SPILL_SECONDS_A_ROW * num_filled:
+            if (self.num_helpers and not helpers
+                    and time.perf_counter() - start > self.SPILL_SECONDS_A_ROW * num_filled):
                 helpers = [self._helpers().submit(fill_rows) for _ in range(self.num_helpers)]
         for helper in helpers:
             if not helper.cancel():  # one that started may be filling a row: wait for it
